@@ -1,0 +1,33 @@
+"""hf-eagle3: EAGLE-3 speculative decoding inside Hugging Face Transformers' ``generate``.
+
+Importing the package registers :class:`Eagle3Config` / :class:`Eagle3DraftModel` with ``AutoConfig`` /
+``AutoModel`` and hooks ``generate`` so that ``target.generate(ids, assistant_model=draft)`` runs EAGLE-3 decoding
+whenever ``draft`` is an EAGLE-3 draft.
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .candidate_generator import Eagle3CandidateGenerator, Eagle3Stats, install_generate_hook, is_eagle3_draft
+from .configuration_eagle3 import Eagle3Config
+from .feature_capture import Eagle3FeatureCapture, find_decoder_layers
+from .logits_process import Eagle3D2TLogitsProcessor
+from .modeling_eagle3 import Eagle3DraftModel, Eagle3KVCache
+
+__version__ = "0.1.0"
+
+AutoConfig.register(Eagle3Config.model_type, Eagle3Config, exist_ok=True)
+AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)
+install_generate_hook()
+
+__all__ = [
+    "Eagle3CandidateGenerator",
+    "Eagle3Config",
+    "Eagle3D2TLogitsProcessor",
+    "Eagle3DraftModel",
+    "Eagle3FeatureCapture",
+    "Eagle3KVCache",
+    "Eagle3Stats",
+    "find_decoder_layers",
+    "install_generate_hook",
+    "is_eagle3_draft",
+]

@@ -1,0 +1,417 @@
+"""EAGLE-3 chain drafting as a Transformers ``CandidateGenerator``, and the ``generate`` hook that selects it.
+
+Core file: imports only torch/transformers and the other core files (lazily, to avoid cycles).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation import candidate_generator as _cg
+from transformers.generation import utils as _gen_utils
+
+CandidateGenerator = _cg.CandidateGenerator
+HOOK_VERSION = 1
+DRAFT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+
+def is_eagle3_draft(model) -> bool:
+    """Whether ``model`` is an EAGLE-3 draft (from this package or a remote-code copy of it)."""
+    return bool(getattr(type(model), "_is_eagle3_draft", False))
+
+
+@dataclass
+class Eagle3Stats:
+    """Acceptance statistics of EAGLE-3 decoding, summed over drafting rounds (and calls, with ``+``).
+
+    Args:
+        num_drafts: rounds in which the draft proposed at least one token (one target forward each).
+        drafted_per_position: ``drafted_per_position[i]`` = rounds that proposed a token at position i.
+        accepted_per_position: ``accepted_per_position[i]`` = rounds whose token at position i was accepted.
+        num_target_forwards: all target forwards, the prefill (which has no draft) included.
+        num_output_tokens: tokens generated.
+    """
+
+    num_drafts: int = 0
+    drafted_per_position: list = field(default_factory=list)
+    accepted_per_position: list = field(default_factory=list)
+    num_target_forwards: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Total drafted tokens."""
+        return sum(self.drafted_per_position)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Total accepted drafted tokens."""
+        return sum(self.accepted_per_position)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per drafting round, counting the target's bonus token: ``1 + accepted / num_drafts``."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list:
+        """Fraction of drafting rounds whose token i was accepted (vLLM's "acceptance at token i")."""
+        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position]
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Accepted drafted tokens over drafted tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Add one drafting round that proposed ``drafted`` tokens, of which the first ``accepted`` were kept."""
+        self.num_target_forwards += 1
+        self.num_output_tokens += accepted + 1
+        if drafted == 0:
+            return
+        self.num_drafts += 1
+        grow = drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def __add__(self, other: "Eagle3Stats") -> "Eagle3Stats":
+        n = max(len(self.drafted_per_position), len(other.drafted_per_position))
+
+        def pad(x):
+            return list(x) + [0] * (n - len(x))
+
+        return Eagle3Stats(
+            num_drafts=self.num_drafts + other.num_drafts,
+            drafted_per_position=[a + b for a, b in zip(pad(self.drafted_per_position), pad(other.drafted_per_position))],
+            accepted_per_position=[a + b for a, b in zip(pad(self.accepted_per_position), pad(other.accepted_per_position))],
+            num_target_forwards=self.num_target_forwards + other.num_target_forwards,
+            num_output_tokens=self.num_output_tokens + other.num_output_tokens,
+        )
+
+    def to_dict(self) -> dict:
+        """The statistics and the derived rates as a JSON-friendly dict."""
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_target_forwards": self.num_target_forwards,
+            "num_output_tokens": self.num_output_tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+            "drafted_per_position": list(self.drafted_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate_per_position": self.acceptance_rate_per_position,
+        }
+
+    def report(self) -> str:
+        """The report of vLLM's EAGLE example: mean acceptance length, then acceptance at each token."""
+        lines = ["-" * 50, f"mean acceptance length: {self.mean_acceptance_length:.2f}", "-" * 50]
+        lines += [f"acceptance at token {i}: {r:.2f}" for i, r in enumerate(self.acceptance_rate_per_position)]
+        return "\n".join(lines)
+
+
+class Eagle3CandidateGenerator(CandidateGenerator):
+    r"""
+    `CandidateGenerator` that proposes a chain of tokens with an EAGLE-3 draft fed by the target's own hidden states.
+
+    The target's features arrive through an [`Eagle3FeatureCapture`] installed for the ``generate`` call. Each round
+    the draft first consumes the features of the positions the target just verified (paired with the token that
+    followed each), then drafts ``num_assistant_tokens`` tokens, feeding its own pre-norm output forward. The draft
+    keeps its KV cache across rounds and crops the drafted (speculative) part at the start of the next round.
+
+    The first round has no features yet, so it proposes nothing: the target's prefill produces the first token.
+
+    Args:
+        draft (`Eagle3DraftModel`): the draft, already bound to the target.
+        capture (`Eagle3FeatureCapture`): hooks on the target.
+        input_ids (`torch.LongTensor`): the prompt.
+        generation_config (`GenerationConfig`): the target's generation config for this call.
+        logits_processor (`LogitsProcessorList`): the target's processors; applied to the draft's scores (over the
+            target vocabulary) when sampling, so that the returned candidate logits are the distribution the
+            candidates were sampled from.
+        num_assistant_tokens (`int`): draft tokens per round (initial value for the heuristic schedules).
+        num_assistant_tokens_schedule (`str`): ``"constant"``, ``"heuristic"`` (+2 after a fully accepted round,
+            -1 otherwise, kept on the draft's generation config after the call) or ``"heuristic_transient"`` (same,
+            not kept).
+        assistant_confidence_threshold (`float`): stop drafting in a round once the draft's probability of its own
+            token falls below this (0 disables it; when set, each draft step reads one value back from the device).
+    """
+
+    def __init__(
+        self,
+        draft,
+        capture,
+        input_ids: torch.LongTensor,
+        generation_config: GenerationConfig,
+        logits_processor=None,
+        num_assistant_tokens: int = 5,
+        num_assistant_tokens_schedule: str = "constant",
+        assistant_confidence_threshold: float | None = 0.0,
+    ):
+        from .logits_process import Eagle3D2TLogitsProcessor
+        from .modeling_eagle3 import Eagle3KVCache
+
+        if num_assistant_tokens_schedule not in ("constant", "heuristic", "heuristic_transient"):
+            raise ValueError(
+                f"num_assistant_tokens_schedule={num_assistant_tokens_schedule!r}: EAGLE-3 supports 'constant', "
+                "'heuristic' and 'heuristic_transient'."
+            )
+        if int(num_assistant_tokens) < 1:
+            raise ValueError(f"num_assistant_tokens must be >= 1, got {num_assistant_tokens}")
+        self.draft = draft
+        self.capture = capture
+        self.device = draft.fc.weight.device
+        self.dtype = draft.fc.weight.dtype
+        self.d2t = Eagle3D2TLogitsProcessor(draft.d2t, draft.config.vocab_size)
+        self.logits_processor = logits_processor if logits_processor is not None else []
+        self.do_sample = bool(generation_config.do_sample)
+        self.max_length = generation_config.max_length
+        self.num_assistant_tokens = int(num_assistant_tokens)
+        self.schedule = num_assistant_tokens_schedule
+        self.confidence_threshold = float(assistant_confidence_threshold or 0.0)
+        self.cache = Eagle3KVCache()
+        self.stats = Eagle3Stats()
+        self._fed = 0  # positions whose real (target) features are in the draft cache
+        self._last_len = input_ids.shape[1]  # length of the sequence handed to the target last round
+        self._last_k = 0  # tokens drafted last round
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
+        """
+        Fetches the candidates to be tried for the current input.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `(1, sequence_length)`): the sequence so far.
+
+        Return:
+            `(candidate_input_ids, candidate_logits)`: the sequence followed by the drafted tokens, and (when
+            sampling) the processed draft scores over the target vocabulary `(1, k, vocab_size)`, else `None`.
+        """
+        cur_len = input_ids.shape[1]
+        features = self.capture.features(self.device, self.dtype)
+        k = min(self.num_assistant_tokens, self.max_length - cur_len - 1)
+        # The target's last forward covered positions [start, previous length + previous k).
+        start = self._last_len + self._last_k - (features.shape[1] if features is not None else 0)
+        self._last_len, self._last_k = cur_len, 0
+        if features is None:  # first round: the target has not run yet
+            return input_ids, None
+        if start != self._fed:
+            raise RuntimeError(
+                f"EAGLE-3 feature bookkeeping lost track (target forward started at {start}, draft has {self._fed} "
+                "positions). Was the target called outside generate during the call?"
+            )
+        new = cur_len - 1 - self._fed  # positions with verified features not yet in the draft cache
+        self.cache.crop(self._fed)
+        ids = input_ids.to(self.device)
+        out = self.draft(
+            input_ids=ids[:, self._fed + 1 : cur_len],
+            target_features=features[:, :new],
+            position_ids=torch.arange(self._fed, cur_len - 1, device=self.device)[None],
+            cache=self.cache,
+            logits_to_keep=1,
+        )
+        self._fed = cur_len - 1
+        self.capture.clear()
+        if k <= 0:
+            return input_ids, None
+        tokens, scores = [], []
+        seq = ids
+        for step in range(k):
+            token, processed = self._select(seq, out.logits[:, -1])
+            tokens.append(token)
+            if processed is not None:
+                scores.append(processed)
+            seq = torch.cat([seq, token[:, None]], dim=-1)
+            if self.confidence_threshold > 0 and step < k - 1:
+                probs = (processed if processed is not None else self.d2t(seq, out.logits[:, -1].float())).softmax(-1)
+                if probs[0, token[0]].item() < self.confidence_threshold:
+                    break
+            if step == k - 1:
+                break
+            out = self.draft(
+                input_ids=token[:, None],
+                hidden_states=out.hidden_states[:, -1:],
+                position_ids=torch.full((1, 1), cur_len - 1 + step, device=self.device),
+                cache=self.cache,
+                logits_to_keep=1,
+            )
+        self._last_k = len(tokens)
+        candidate_logits = torch.stack(scores, dim=1) if scores else None
+        return seq, candidate_logits
+
+    def _select(self, seq: torch.LongTensor, draft_scores: torch.FloatTensor):
+        """Pick the next draft token (target id) from draft-vocabulary scores; return it and the processed scores."""
+        if not self.do_sample:
+            return self.d2t.map_tokens(draft_scores.argmax(-1)), None
+        scores = self.d2t(seq, draft_scores.float())
+        for processor in self.logits_processor:
+            scores = processor(seq, scores)
+        token = torch.multinomial(scores.softmax(-1), num_samples=1)[:, 0]
+        return token, scores
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        """
+        Records the round's acceptance and adapts the draft length for the heuristic schedules.
+
+        Args:
+            input_ids (`torch.LongTensor`): the sequence after this round.
+            scores (`torch.FloatTensor`): the target's processed scores of this round.
+            num_matches (`int`): how many drafted tokens were accepted.
+        """
+        num_matches = int(num_matches)
+        self.stats.record(self._last_k, num_matches)
+        if self._last_k and self.schedule in ("heuristic", "heuristic_transient"):
+            if num_matches == self._last_k:
+                self.num_assistant_tokens += 2
+            else:
+                self.num_assistant_tokens = max(1, self.num_assistant_tokens - 1)
+
+    def finish(self) -> Eagle3Stats:
+        """End of the call: persist the heuristic draft length and publish the statistics on the draft."""
+        if self.schedule == "heuristic":
+            self.draft.generation_config.num_assistant_tokens = self.num_assistant_tokens
+        self.draft._record_stats(self.stats)
+        return self.stats
+
+
+# ------------------------------------------------------------------------------------------------- generate hook
+@dataclass
+class _Eagle3Call:
+    draft: object
+    capture: object
+    settings: dict
+    generator: Eagle3CandidateGenerator | None = None
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_active_call", default=None)
+
+
+def _user_draft_settings(kwargs: dict) -> dict:
+    """Draft-length settings the user gave to this ``generate`` call (kwargs first, then a passed config)."""
+    defaults = GenerationConfig()
+    given = {}
+    config = kwargs.get("generation_config")
+    for key in DRAFT_SETTINGS:
+        if kwargs.get(key) is not None:
+            given[key] = kwargs[key]
+        elif config is not None and getattr(config, key, None) is not None:
+            if getattr(config, key) != getattr(defaults, key, None):
+                given[key] = getattr(config, key)
+    return given
+
+
+def _batch_size(args, kwargs) -> int | None:
+    for value in list(args[:1]) + [kwargs.get("input_ids"), kwargs.get("inputs"), kwargs.get("inputs_embeds")]:
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return value.shape[0]
+    return None
+
+
+def _eagle3_generate(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        draft = kwargs.get("assistant_model")
+        if draft is None or not is_eagle3_draft(draft) or _ACTIVE.get() is not None:
+            return original(self, *args, **kwargs)
+        from .feature_capture import Eagle3FeatureCapture
+
+        batch = _batch_size(args, kwargs)
+        if batch is not None and batch != 1:
+            raise ValueError(
+                f"EAGLE-3 decoding through `generate(assistant_model=draft)` handles one sequence at a time, got a "
+                f"batch of {batch}. Loop over the prompts (or call generate without the draft for batches)."
+            )
+        if kwargs.get("prompt_lookup_num_tokens") is not None:
+            raise ValueError("Pass either `assistant_model` (an EAGLE-3 draft) or `prompt_lookup_num_tokens`, not both.")
+        draft.bind_target(self)
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        from .feature_capture import find_decoder_layers
+
+        layers = find_decoder_layers(self, draft.config.target_layers_path)
+        layer_ids = draft.config.resolve_feature_layer_ids(len(layers))
+        del text
+        capture = Eagle3FeatureCapture(self, layer_ids, draft.config.target_layers_path)
+        call = _Eagle3Call(draft=draft, capture=capture, settings=_user_draft_settings(kwargs))
+        token = _ACTIVE.set(call)
+        capture.install()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            capture.remove()
+            _ACTIVE.reset(token)
+            if call.generator is not None:
+                call.generator.finish()
+
+    generate._hf_eagle3_hook = HOOK_VERSION
+    return generate
+
+
+def _eagle3_get_candidate_generator(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _get_candidate_generator(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        assistant = bound.arguments.get("assistant_model")
+        call = _ACTIVE.get()
+        if assistant is None or not is_eagle3_draft(assistant):
+            return original(self, *args, **kwargs)
+        if call is None or call.draft is not assistant:
+            raise RuntimeError("EAGLE-3 drafts must be used through `target.generate(..., assistant_model=draft)`.")
+        generation_config = bound.arguments["generation_config"]
+        settings = {key: getattr(assistant.generation_config, key, None) for key in DRAFT_SETTINGS}
+        settings = {k: v for k, v in settings.items() if v is not None}
+        settings.update(call.settings)
+        call.generator = Eagle3CandidateGenerator(
+            assistant,
+            call.capture,
+            bound.arguments["input_ids"],
+            generation_config,
+            bound.arguments.get("logits_processor"),
+            num_assistant_tokens=settings.get("num_assistant_tokens", 5),
+            num_assistant_tokens_schedule=settings.get("num_assistant_tokens_schedule", "constant"),
+            assistant_confidence_threshold=settings.get("assistant_confidence_threshold", 0.0),
+        )
+        return call.generator
+
+    _get_candidate_generator._hf_eagle3_hook = HOOK_VERSION
+    return _get_candidate_generator
+
+
+def install_generate_hook() -> None:
+    """Make ``generate(assistant_model=<EAGLE-3 draft>)`` use :class:`Eagle3CandidateGenerator` (idempotent).
+
+    Every other call of ``generate`` is left exactly as it was. Raises ``RuntimeError`` on a Transformers version
+    whose generation internals this hook does not know.
+    """
+    mixin = _gen_utils.GenerationMixin
+    needed = ("generate", "_get_candidate_generator", "_assisted_decoding")
+    missing = [name for name in needed if not hasattr(mixin, name)]
+    if missing:
+        import transformers
+
+        raise RuntimeError(
+            f"hf_eagle3 cannot hook transformers {transformers.__version__}: GenerationMixin lacks {missing}. "
+            "Install a supported version (see hf_eagle3's pyproject.toml, transformers>=5.0)."
+        )
+    params = inspect.signature(mixin._get_candidate_generator).parameters
+    if not {"generation_config", "input_ids", "logits_processor", "assistant_model"} <= set(params):
+        import transformers
+
+        raise RuntimeError(
+            f"hf_eagle3 cannot hook transformers {transformers.__version__}: unexpected signature of "
+            "GenerationMixin._get_candidate_generator. Install a supported version (see pyproject.toml)."
+        )
+    if getattr(mixin.generate, "_hf_eagle3_hook", None) is None:
+        mixin.generate = _eagle3_generate(mixin.generate)
+    if getattr(mixin._get_candidate_generator, "_hf_eagle3_hook", None) is None:
+        mixin._get_candidate_generator = _eagle3_get_candidate_generator(mixin._get_candidate_generator)

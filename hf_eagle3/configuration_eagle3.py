@@ -1,0 +1,302 @@
+"""Configuration of EAGLE-3 draft models, and conversion from the published checkpoint layouts.
+
+Core file: imports only torch/transformers, so it can be copied next to a checkpoint for ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+# Architectures under which EAGLE-3 drafts are published in the "flat" layout (``midlayer.*`` weights).
+FLAT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle", "Eagle3DraftModel")
+SPECULATORS_ARCHITECTURES = ("Eagle3Speculator", "Eagle3DraftModel")
+
+
+class Eagle3Config(PreTrainedConfig):
+    r"""
+    Configuration of an EAGLE-3 draft model: one Llama-style decoder layer that reads three hidden states of a target
+    model (fused by ``fc``) together with the embedding of the next token, and predicts over a (smaller) draft
+    vocabulary that ``d2t`` maps onto the target vocabulary.
+
+    Args:
+        vocab_size (`int`): size of the TARGET vocabulary (the draft's token ids are target ids).
+        draft_vocab_size (`int`, *optional*): size of the draft head's vocabulary; defaults to ``vocab_size``.
+        hidden_size (`int`): the draft's hidden size H.
+        intermediate_size (`int`): MLP width.
+        num_attention_heads (`int`), num_key_value_heads (`int`, *optional*), head_dim (`int`, *optional*):
+            attention shape; ``head_dim`` defaults to ``hidden_size // num_attention_heads``.
+        hidden_act (`str`): MLP activation (``"silu"``).
+        rms_norm_eps (`float`): RMSNorm epsilon.
+        max_position_embeddings (`int`): nominal context of the draft.
+        rope_theta (`float`): RoPE base of the DRAFT (10000 when a checkpoint gives none).
+        draft_rope_scaling (`dict`, *optional*): RoPE scaling (``{"rope_type": "llama3" | "linear", ...}``).
+        attention_bias (`bool`), mlp_bias (`bool`): biases in the projections.
+        target_hidden_size (`int`, *optional*): hidden size T of the target; defaults to ``hidden_size``.
+        norm_before_residual (`bool`): take the residual after ``hidden_norm`` (some drafts) instead of before.
+        norm_before_fc (`bool`): RMSNorm (``input_norm``, width 3T) on the fused features before ``fc``.
+        fc_norm (`bool`): one RMSNorm per captured feature (``fc_norm.{0,1,2}``, width T) before ``fc``.
+        qk_norm (`bool`): Qwen3-style per-head RMSNorm on queries and keys.
+        has_embed_tokens (`bool`): the draft carries its own ``embed_tokens`` ([vocab_size, H]); otherwise it uses
+            the target's input embedding, shared and not copied.
+        feature_layer_ids (`list[int]`, *optional*): which target hidden states feed the draft, as indices of
+            ``output_hidden_states`` (index i = INPUT of decoder layer i, 0 = embeddings), low -> mid -> high.
+            ``None`` means the reference default ``[2, N // 2, N - 3]`` for a target of N layers.
+        target_layers_path (`str`, *optional*): dotted path of the target's decoder-layer list (e.g.
+            ``"model.layers"``) when it cannot be found automatically.
+        target_model_type (`str`, *optional*), target_name_or_path (`str`, *optional*): informative.
+        initializer_range (`float`): std of the random initialisation.
+    """
+
+    model_type = "eagle3_draft"
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        draft_vocab_size: int | None = None,
+        hidden_size: int = 4096,
+        intermediate_size: int = 14336,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        rms_norm_eps: float = 1e-5,
+        max_position_embeddings: int = 2048,
+        rope_theta: float = 10000.0,
+        draft_rope_scaling: dict | None = None,
+        attention_bias: bool = False,
+        mlp_bias: bool = False,
+        target_hidden_size: int | None = None,
+        norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
+        fc_norm: bool = False,
+        qk_norm: bool = False,
+        has_embed_tokens: bool = False,
+        feature_layer_ids: list[int] | None = None,
+        target_layers_path: str | None = None,
+        target_model_type: str | None = None,
+        target_name_or_path: str | None = None,
+        initializer_range: float = 0.02,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.draft_vocab_size = draft_vocab_size or vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.rms_norm_eps = rms_norm_eps
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = float(rope_theta)
+        self.draft_rope_scaling = draft_rope_scaling
+        self.attention_bias = attention_bias
+        self.mlp_bias = mlp_bias
+        self.target_hidden_size = target_hidden_size or hidden_size
+        self.norm_before_residual = norm_before_residual
+        self.norm_before_fc = norm_before_fc
+        self.fc_norm = fc_norm
+        self.qk_norm = qk_norm
+        self.has_embed_tokens = has_embed_tokens
+        self.feature_layer_ids = list(feature_layer_ids) if feature_layer_ids is not None else None
+        self.target_layers_path = target_layers_path
+        self.target_model_type = target_model_type
+        self.target_name_or_path = target_name_or_path
+        self.initializer_range = initializer_range
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+        if self.feature_layer_ids is not None and len(self.feature_layer_ids) != 3:
+            raise ValueError(f"feature_layer_ids must list 3 layers (low, mid, high), got {self.feature_layer_ids}")
+
+    def resolve_feature_layer_ids(self, num_target_layers: int) -> list[int]:
+        """Return the three capture indices for a target with ``num_target_layers`` decoder layers.
+
+        Index i means the INPUT of decoder layer i (``output_hidden_states[i]``). Raises ``ValueError`` when an
+        index is outside ``[0, num_target_layers)``.
+        """
+        n = num_target_layers
+        ids = self.feature_layer_ids
+        if ids is None:
+            ids = [min(2, n - 1), n // 2, max(n - 3, 0)]
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(
+                f"feature_layer_ids {ids} are out of range for a target with {n} decoder layers (valid: 0..{n - 1}, "
+                "index i = input of layer i). This draft was probably made for a deeper target; set "
+                "`draft.config.feature_layer_ids` to three valid indices, or use the draft's own target."
+            )
+        return list(ids)
+
+
+def _rope_from_dict(cfg: dict) -> tuple[float, dict | None]:
+    """Return (rope_theta, rope_scaling) from a config dict written in either 4.x or 5.x style."""
+    params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    theta = cfg.get("rope_theta")
+    if isinstance(params, dict):
+        params = dict(params)
+        theta = params.pop("rope_theta", theta)
+        if params.get("rope_type", params.get("type", "default")) != "default":
+            scaling = params
+    if isinstance(scaling, dict):
+        scaling = dict(scaling)
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        if scaling.get("rope_type", "default") == "default":
+            scaling = None
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+_LAYER_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "initializer_range",
+)
+
+
+def detect_layout(cfg: dict) -> str:
+    """Name the checkpoint layout of a draft's ``config.json``: ``"native"``, ``"speculators"`` or ``"flat"``."""
+    if cfg.get("model_type") == Eagle3Config.model_type:
+        return "native"
+    if cfg.get("speculators_model_type") == "eagle3" or "transformer_layer_config" in cfg:
+        return "speculators"
+    archs = cfg.get("architectures") or []
+    if any(a in FLAT_ARCHITECTURES for a in archs) or "draft_vocab_size" in cfg:
+        return "flat"
+    raise ValueError(
+        f"config.json (model_type={cfg.get('model_type')!r}, architectures={archs}) is not an EAGLE-3 draft: "
+        f"expected model_type '{Eagle3Config.model_type}', a `speculators` eagle3 config, or one of the flat "
+        f"architectures {FLAT_ARCHITECTURES}."
+    )
+
+
+def config_dict_to_native(cfg: dict) -> tuple[dict, str]:
+    """Convert a published draft ``config.json`` dict to :class:`Eagle3Config` keyword arguments.
+
+    Layer ids are converted to our convention (index i = input of layer i): the `speculators` top-level
+    ``eagle_aux_hidden_state_layer_ids`` already use it; SGLang/SpecForge ``eagle_config.eagle_aux_hidden_state_layer_ids``
+    name the OUTPUT of a layer, so 1 is added.
+
+    Returns:
+        ``(kwargs, layout)``.
+    """
+    cfg = copy.deepcopy(cfg)
+    layout = detect_layout(cfg)
+    if layout == "native":
+        for k in ("transformers_version", "architectures", "model_type", "auto_map"):
+            cfg.pop(k, None)
+        return cfg, layout
+    if layout == "speculators":
+        layer = dict(cfg.get("transformer_layer_config") or {})
+        out = {k: layer[k] for k in _LAYER_FIELDS if layer.get(k) is not None}
+        out["vocab_size"] = layer.get("vocab_size", cfg.get("vocab_size"))
+        theta, scaling = _rope_from_dict(layer)
+        out["rope_theta"], out["draft_rope_scaling"] = theta, scaling
+        out["draft_vocab_size"] = cfg.get("draft_vocab_size", out["vocab_size"])
+        out["target_hidden_size"] = cfg.get("target_hidden_size")
+        nbr = cfg.get("norm_before_residual")
+        out["norm_before_residual"] = True if nbr is None else bool(nbr)  # vLLM's default for this layout
+        out["norm_before_fc"] = bool(cfg.get("norm_before_fc", False))
+        out["has_embed_tokens"] = False  # decided from the weights by the loader
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+        out["feature_layer_ids"] = list(ids) if ids else None
+        verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
+        out["target_name_or_path"] = verifier.get("name_or_path")
+        proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or []
+        if proposals and proposals[0].get("speculative_tokens"):
+            out["_num_assistant_tokens"] = int(proposals[0]["speculative_tokens"])
+        if layer.get("model_type") == "qwen3" or layer.get("use_qk_norm"):
+            out["qk_norm"] = True
+        return out, layout
+    # flat layout: a Llama-style config of the single draft layer
+    out = {k: cfg[k] for k in _LAYER_FIELDS if cfg.get(k) is not None}
+    out["vocab_size"] = cfg["vocab_size"]
+    theta, scaling = _rope_from_dict(cfg)
+    out["rope_theta"], out["draft_rope_scaling"] = theta, scaling
+    out["draft_vocab_size"] = cfg.get("draft_vocab_size", cfg["vocab_size"])
+    out["target_hidden_size"] = cfg.get("target_hidden_size")
+    out["norm_before_residual"] = bool(cfg.get("norm_before_residual", False))
+    out["norm_before_fc"] = bool(cfg.get("norm_before_fc", False))
+    out["fc_norm"] = bool(cfg.get("fc_norm", False))
+    out["has_embed_tokens"] = False  # decided from the weights by the loader
+    eagle = cfg.get("eagle_config") or {}
+    if eagle.get("eagle_aux_hidden_state_layer_ids"):
+        out["feature_layer_ids"] = [i + 1 for i in eagle["eagle_aux_hidden_state_layer_ids"]]
+    elif cfg.get("eagle_aux_hidden_state_layer_ids"):
+        out["feature_layer_ids"] = list(cfg["eagle_aux_hidden_state_layer_ids"])
+    if cfg.get("model_type") == "qwen3" or any(a.startswith("Qwen3") for a in cfg.get("architectures") or []):
+        out["qk_norm"] = True
+    return out, layout
+
+
+def native_to_flat_config(config: Eagle3Config) -> dict[str, Any]:
+    """Return a flat-layout ``config.json`` dict (as the EAGLE authors / SGLang publish) for ``config``.
+
+    Layer ids are written in SGLang's ``eagle_config`` convention (output of layer id, i.e. ours minus 1).
+    """
+    out = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+        "rope_theta": config.rope_theta,
+        "target_hidden_size": config.target_hidden_size,
+        "norm_before_residual": config.norm_before_residual,
+    }
+    for k in _LAYER_FIELDS:
+        out[k] = getattr(config, k)
+    if config.draft_rope_scaling:
+        out["rope_scaling"] = dict(config.draft_rope_scaling)
+    if config.feature_layer_ids is not None:
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in config.feature_layer_ids]}
+    return out
+
+
+def native_to_speculators_config(config: Eagle3Config, num_speculative_tokens: int = 5) -> dict[str, Any]:
+    """Return a `speculators`-layout ``config.json`` dict (as vLLM loads) for ``config``.
+
+    Layer ids are written as top-level ``eagle_aux_hidden_state_layer_ids`` (our convention: input of layer i).
+    """
+    layer = {
+        "model_type": "qwen3" if config.qk_norm else "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": config.vocab_size,
+        "num_hidden_layers": 1,
+        "rope_theta": config.rope_theta,
+        "tie_word_embeddings": False,
+    }
+    for k in _LAYER_FIELDS:
+        layer[k] = getattr(config, k)
+    if config.draft_rope_scaling:
+        layer["rope_scaling"] = dict(config.draft_rope_scaling)
+    out = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.draft_vocab_size,
+        "norm_before_residual": config.norm_before_residual,
+        "target_hidden_size": config.target_hidden_size,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
+            "verifier": {"name_or_path": config.target_name_or_path, "architectures": []},
+        },
+    }
+    if config.feature_layer_ids is not None:
+        out["eagle_aux_hidden_state_layer_ids"] = list(config.feature_layer_ids)
+    return out

@@ -1,0 +1,135 @@
+"""Capture the target's hidden states that feed an EAGLE-3 draft, with forward pre-hooks.
+
+Core file: imports only torch/transformers. Feature i is the INPUT of decoder layer i (``output_hidden_states[i]``),
+so any decoder whose layer list can be found works without changing its code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Where Transformers decoders keep their layer list, most common first.
+LAYER_PATHS = (
+    "model.layers",
+    "model.language_model.layers",
+    "model.text_model.layers",
+    "language_model.model.layers",
+    "model.decoder.layers",
+    "transformer.h",
+    "transformer.layers",
+    "gpt_neox.layers",
+    "layers",
+)
+
+
+def _get_path(module: nn.Module, path: str):
+    obj = module
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def find_decoder_layers(target: nn.Module, layers_path: str | None = None) -> nn.ModuleList:
+    """Return the decoder-layer list of ``target``.
+
+    Args:
+        target: the target model.
+        layers_path: dotted attribute path (e.g. ``"model.layers"``); searched among common paths when ``None``.
+
+    Raises:
+        ValueError: when no layer list is found, saying how to point at it.
+    """
+    if layers_path is not None:
+        layers = _get_path(target, layers_path)
+        if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+            raise ValueError(f"`{layers_path}` is not a non-empty nn.ModuleList on {type(target).__name__}.")
+        return layers
+    for path in LAYER_PATHS:
+        layers = _get_path(target, path)
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            return layers
+    config = getattr(target, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "num_hidden_layers", None)
+    found = [m for m in target.modules() if isinstance(m, nn.ModuleList) and n and len(m) == n]
+    if len(found) == 1:
+        return found[0]
+    raise ValueError(
+        f"Could not find the decoder layers of {type(target).__name__} (tried {', '.join(LAYER_PATHS)}). Point at "
+        "them with `draft.config.target_layers_path = \"<dotted.path.to.layers>\"` (e.g. \"model.layers\")."
+    )
+
+
+class Eagle3FeatureCapture:
+    """Forward pre-hooks on three decoder layers of a target that keep their inputs from the latest forward.
+
+    Use as a context manager, or call :meth:`install` / :meth:`remove`. Hooks are removed by :meth:`remove` even
+    when only some were installed.
+
+    Args:
+        target: the target model.
+        layer_ids: three layer indices (input of layer i), low -> mid -> high.
+        layers_path: dotted path of the layer list, when it cannot be found automatically.
+    """
+
+    def __init__(self, target: nn.Module, layer_ids: list[int], layers_path: str | None = None):
+        self.layers = find_decoder_layers(target, layers_path)
+        n = len(self.layers)
+        bad = [i for i in layer_ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"feature layer ids {layer_ids} out of range for a target with {n} layers (0..{n - 1}).")
+        self.layer_ids = list(layer_ids)
+        self._captured: list[torch.Tensor | None] = [None] * len(layer_ids)
+        self._handles = []
+
+    def _hook(self, slot: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(hidden, (tuple, list)):
+                hidden = hidden[0]
+            self._captured[slot] = hidden.detach()
+
+        return hook
+
+    def install(self) -> "Eagle3FeatureCapture":
+        """Register the hooks (idempotent)."""
+        if not self._handles:
+            try:
+                for slot, i in enumerate(self.layer_ids):
+                    self._handles.append(self.layers[i].register_forward_pre_hook(self._hook(slot), with_kwargs=True))
+            except BaseException:
+                self.remove()
+                raise
+        return self
+
+    def remove(self) -> None:
+        """Remove every hook and drop the captured tensors."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._captured = [None] * len(self.layer_ids)
+
+    @property
+    def installed(self) -> bool:
+        """Whether the hooks are in place."""
+        return bool(self._handles)
+
+    def features(self, device=None, dtype=None) -> torch.Tensor | None:
+        """Return the latest forward's features concatenated low -> mid -> high, [B, n, 3T] (``None`` if none)."""
+        if any(c is None for c in self._captured):
+            return None
+        return torch.cat([c.to(device=device, dtype=dtype) for c in self._captured], dim=-1)
+
+    def clear(self) -> None:
+        """Forget the captured tensors (keeps the hooks)."""
+        self._captured = [None] * len(self.layer_ids)
+
+    def __enter__(self):
+        return self.install()
+
+    def __exit__(self, *exc):
+        self.remove()
+        return False

@@ -1,0 +1,557 @@
+"""The EAGLE-3 draft model and the loaders of the published checkpoint layouts.
+
+Core file: imports only torch/transformers and the other core files, so it can be copied next to a checkpoint for
+``trust_remote_code``. Importing it installs the ``generate`` hook (see ``candidate_generator.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.utils import ModelOutput
+
+from .candidate_generator import install_generate_hook
+from .configuration_eagle3 import Eagle3Config, config_dict_to_native
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+class Eagle3RMSNorm(nn.Module):
+    """RMSNorm as in Llama: ``weight * x / sqrt(mean(x**2) + eps)``, computed in float32."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension of ``x``."""
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: Eagle3Config) -> torch.Tensor:
+    """Return RoPE inverse frequencies of the draft (default, ``linear`` and ``llama3`` scaling built in)."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.draft_rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = torch.where(is_mid, mid, scaled)
+    elif kind not in ("default", None):
+        raise ValueError(f"rope_scaling type {kind!r} is not supported by the EAGLE-3 draft (default, linear, llama3)")
+    return inv.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, heads, L, D] by the half-split RoPE convention of Llama."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Eagle3KVCache:
+    """The draft's key/value cache: preallocated buffers with a length that can be cropped.
+
+    ``update`` appends new keys/values and returns everything cached so far; ``crop`` forgets the tail (drafted
+    positions that were rejected), without copying.
+    """
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.length = 0
+
+    def get_seq_length(self) -> int:
+        """Number of cached positions."""
+        return self.length
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` positions."""
+        self.length = max(0, min(self.length, length))
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``k``/``v`` ([B, kv_heads, n, D]) and return all cached keys and values."""
+        n = k.shape[2]
+        need = self.length + n
+        if self.keys is None or need > self.keys.shape[2] or self.keys.shape[0] != k.shape[0]:
+            cap = max(256, 2 * need)
+            keys = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            values = v.new_empty(keys.shape)
+            if self.keys is not None and self.length:
+                keys[:, :, : self.length] = self.keys[:, :, : self.length]
+                values[:, :, : self.length] = self.values[:, :, : self.length]
+            self.keys, self.values = keys, values
+        self.keys[:, :, self.length : need] = k
+        self.values[:, :, self.length : need] = v
+        self.length = need
+        return self.keys[:, :, :need], self.values[:, :, :need]
+
+
+class Eagle3Attention(nn.Module):
+    """Self-attention of the draft layer; its q/k/v projections read ``cat(embedding, hidden)`` (width 2H)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.attention_bias)
+        if config.qk_norm:
+            self.q_norm = Eagle3RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = Eagle3RMSNorm(d, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache: Eagle3KVCache | None = None, attention_mask=None):
+        """Attend ``x`` [B, n, 2H] over the cache plus itself; mask ``None`` means causal."""
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        past = 0
+        if cache is not None:
+            past = cache.get_seq_length()
+            k, v = cache.update(k, v)
+        if attention_mask is None and n > 1:
+            qpos = torch.arange(past, past + n, device=x.device)[:, None]
+            attention_mask = torch.arange(past + n, device=x.device)[None, :] <= qpos
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+
+
+class Eagle3MLP(nn.Module):
+    """The gated MLP of Llama."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        """Apply ``down(act(gate(x)) * up(x))``."""
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The single draft layer: attention over ``cat(input_layernorm(emb), hidden_norm(h))``, then an MLP."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        h = config.hidden_size
+        self.norm_before_residual = config.norm_before_residual
+        self.hidden_norm = Eagle3RMSNorm(h, config.rms_norm_eps)
+        self.input_layernorm = Eagle3RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = Eagle3RMSNorm(h, config.rms_norm_eps)
+        self.mlp = Eagle3MLP(config)
+
+    def forward(self, embeds, hidden, cos, sin, cache=None, attention_mask=None):
+        """Return the layer's PRE-norm output hidden state [B, n, H]."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        hidden = residual + self.self_attn(x, cos, sin, cache, attention_mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+@dataclass
+class Eagle3DraftOutput(ModelOutput):
+    """Output of :class:`Eagle3DraftModel`.
+
+    Args:
+        logits: scores over the DRAFT vocabulary [B, n, draft_vocab_size] (``None`` when not asked for).
+        hidden_states: the layer's pre-norm output [B, n, H], fed to the next draft step.
+    """
+
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+
+
+class Eagle3PreTrainedModel(PreTrainedModel):
+    """Base class wiring :class:`Eagle3Config` into Transformers."""
+
+    config_class = Eagle3Config
+    base_model_prefix = "eagle3"
+    _no_split_modules = ["Eagle3DecoderLayer"]
+    supports_gradient_checkpointing = False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, Eagle3RMSNorm):
+            module.weight.fill_(1.0)
+
+
+class Eagle3DraftModel(Eagle3PreTrainedModel):
+    r"""
+    An EAGLE-3 draft model. Pass it as ``assistant_model`` to ``target.generate`` (after ``import hf_eagle3``) to
+    decode with EAGLE-3 speculative decoding; the output is that of the target alone.
+
+    Weights use the flat published names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` and an
+    optional ``embed_tokens``), so a native checkpoint is also a flat one.
+
+    After each ``generate`` call, :attr:`last_stats` holds that call's acceptance statistics and
+    :attr:`cumulative_stats` the sum over calls since :meth:`reset_stats`.
+    """
+
+    _is_eagle3_draft = True
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__(config)
+        h, t = config.hidden_size, config.target_hidden_size
+        if config.has_embed_tokens:
+            self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        if config.norm_before_fc:
+            self.input_norm = Eagle3RMSNorm(3 * t, config.rms_norm_eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList([Eagle3RMSNorm(t, config.rms_norm_eps) for _ in range(3)])
+        self.fc = nn.Linear(3 * t, h, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = Eagle3RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        vd = config.draft_vocab_size
+        self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long), persistent=True)
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool), persistent=True)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._target_embedding = None
+        self.last_stats = None
+        self.cumulative_stats = None
+        self.post_init()
+        self.generation_config = GenerationConfig(
+            num_assistant_tokens=5, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0
+        )
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if module is self:
+            vd = self.config.draft_vocab_size
+            self.d2t.zero_()
+            self.t2d.zero_()
+            self.t2d[:vd] = True
+            self.inv_freq.copy_(rope_inv_freq(self.config))
+
+    # ----------------------------------------------------------------------------------------------- target binding
+    def get_input_embeddings(self):
+        """Return the embedding in use: the draft's own, or the target's it is bound to (``None`` before binding)."""
+        if hasattr(self, "embed_tokens"):
+            return self.embed_tokens
+        return self._target_embedding[0] if self._target_embedding else None
+
+    def bind_target(self, target) -> None:
+        """Check that this draft fits ``target`` and share the target's input embedding when the draft has none.
+
+        Raises ``ValueError`` (naming the fix) when the target's hidden size, vocabulary or depth does not fit.
+        """
+        text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        t_hidden = getattr(text, "hidden_size", None)
+        if t_hidden != self.config.target_hidden_size:
+            raise ValueError(
+                f"This EAGLE-3 draft expects a target of hidden size {self.config.target_hidden_size} "
+                f"(fc takes 3 x {self.config.target_hidden_size} features), but {type(target).__name__} has hidden size "
+                f"{t_hidden}. Use the draft made for this target (or set `target_hidden_size` if the checkpoint's "
+                "config is wrong)."
+            )
+        if getattr(text, "vocab_size", None) != self.config.vocab_size:
+            raise ValueError(
+                f"This EAGLE-3 draft maps onto a target vocabulary of {self.config.vocab_size} tokens, but "
+                f"{type(target).__name__} has vocab_size {getattr(text, 'vocab_size', None)}: the draft was made for "
+                "another target (tokenizer). Use a draft trained for this target."
+            )
+        if not hasattr(self, "embed_tokens"):
+            emb = target.get_input_embeddings()
+            if emb is None or emb.weight.shape[-1] != self.config.hidden_size:
+                raise ValueError(
+                    f"This draft has no embed_tokens of its own and must share the target's, whose width "
+                    f"{None if emb is None else emb.weight.shape[-1]} differs from the draft's hidden size "
+                    f"{self.config.hidden_size}. Load a checkpoint that includes `embed_tokens.weight`."
+                )
+            self._target_embedding = (emb,)  # a tuple: shared, not registered as a submodule nor saved
+
+    def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """Embed target-vocabulary ``input_ids`` on the draft's device and dtype."""
+        emb = self.get_input_embeddings()
+        if emb is None:
+            raise ValueError(
+                "This draft shares its target's embedding and is not bound to a target yet: call "
+                "`draft.bind_target(target)` (generate does it for you)."
+            )
+        out = emb(input_ids.to(emb.weight.device))
+        return out.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+
+    # ----------------------------------------------------------------------------------------------------- compute
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Fuse target features [B, n, 3T] into draft hidden states [B, n, H] (optional norms, then ``fc``)."""
+        features = features.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        if hasattr(self, "fc_norm"):
+            features = torch.cat([n(f) for n, f in zip(self.fc_norm, features.chunk(3, dim=-1))], dim=-1)
+        if hasattr(self, "input_norm"):
+            features = self.input_norm(features)
+        return self.fc(features)
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        """Return (cos, sin) [B, 1, n, head_dim] for ``position_ids`` [B, n]."""
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Return draft-vocabulary scores ``lm_head(norm(h))`` for pre-norm hidden states."""
+        return self.lm_head(self.norm(hidden_states))
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        target_features: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Eagle3KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> Eagle3DraftOutput:
+        r"""
+        Run the draft layer on pairs (hidden state at position t, token t + 1).
+
+        Args:
+            input_ids (`torch.LongTensor` [B, n]): the NEXT tokens, in the target vocabulary.
+            hidden_states (`torch.Tensor` [B, n, H]): the previous draft step's pre-norm output; or
+            target_features (`torch.Tensor` [B, n, 3T]): captured target features (fused by ``fc``).
+            inputs_embeds (`torch.Tensor` [B, n, H], *optional*): instead of ``input_ids``.
+            position_ids (`torch.LongTensor` [B, n], *optional*): defaults to continuing the cache.
+            cache (`Eagle3KVCache`, *optional*): the draft's KV cache, updated in place.
+            attention_mask (`torch.Tensor`, *optional*): bool [n, past + n] (True = attend) or float additive mask;
+                ``None`` means causal.
+            logits_to_keep (`int`): compute logits of the last ``logits_to_keep`` positions only (0 = all,
+                -1 = none).
+
+        Returns:
+            `Eagle3DraftOutput` with draft-vocabulary ``logits`` and pre-norm ``hidden_states``.
+        """
+        if target_features is not None:
+            hidden_states = self.project_features(target_features)
+        if hidden_states is None:
+            raise ValueError("Pass `target_features` [B, n, 3T] or `hidden_states` [B, n, H].")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed(input_ids)
+        b, n, _ = hidden_states.shape
+        if position_ids is None:
+            start = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(start, start + n, device=hidden_states.device).expand(b, n)
+        cos, sin = self.rope(position_ids, hidden_states.dtype)
+        out = self.midlayer(inputs_embeds, hidden_states, cos, sin, cache, attention_mask)
+        logits = None
+        if logits_to_keep >= 0:
+            logits = self.compute_logits(out if logits_to_keep == 0 else out[:, -logits_to_keep:])
+        return Eagle3DraftOutput(logits=logits, hidden_states=out)
+
+    # ------------------------------------------------------------------------------------------------------- stats
+    def reset_stats(self) -> None:
+        """Forget the statistics accumulated over previous ``generate`` calls."""
+        self.last_stats = None
+        self.cumulative_stats = None
+
+    def _record_stats(self, stats) -> None:
+        self.last_stats = stats
+        self.cumulative_stats = stats if self.cumulative_stats is None else self.cumulative_stats + stats
+
+    # ----------------------------------------------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        r"""
+        Load an EAGLE-3 draft from a local directory or a Hub id, in any published layout.
+
+        Supported layouts: our native ``save_pretrained`` output; the flat layout of the EAGLE authors, SGLang,
+        SpecForge and AngelSlim (``LlamaForCausalLMEagle3`` / ``Eagle3LlamaForCausalLM``, ``midlayer.*``); and the
+        `speculators` layout of vLLM (``layers.0.*``, nested ``transformer_layer_config``). Layer-id conventions are
+        converted to ours. Missing or unexpected weights, or weights of the wrong shape, raise ``ValueError`` naming
+        them.
+
+        Args:
+            pretrained_model_name_or_path (`str` or `os.PathLike`): directory or Hub id.
+            dtype / torch_dtype (`torch.dtype` or `str`, *optional*): dtype of the floating weights (default: as
+                stored, or float32 for float64 checkpoints).
+            device (`str` or `torch.device`, *optional*): where to put the model.
+            config (`Eagle3Config`, *optional*): use this config instead of the checkpoint's.
+            revision, cache_dir, token, local_files_only, subfolder: passed to the Hub resolution.
+        """
+        dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
+        device = kwargs.pop("device", None) or kwargs.pop("device_map", None)
+        config = kwargs.pop("config", None)
+        hub = {k: kwargs.pop(k) for k in ("revision", "cache_dir", "token", "local_files_only", "subfolder",
+                                          "force_download", "proxies") if k in kwargs}
+        for k in ("trust_remote_code", "code_revision", "_from_auto", "_commit_hash", "adapter_kwargs",
+                  "attn_implementation", "low_cpu_mem_usage"):
+            kwargs.pop(k, None)
+        if kwargs:
+            raise TypeError(f"Eagle3DraftModel.from_pretrained got unexpected arguments: {sorted(kwargs)}")
+        path = str(pretrained_model_name_or_path)
+        raw_cfg = json.loads(open(_resolve(path, "config.json", hub)).read())
+        native_kwargs, layout = config_dict_to_native(raw_cfg)
+        k_default = native_kwargs.pop("_num_assistant_tokens", None)
+        state = _load_state_dict(path, hub)
+        state = convert_state_dict(state, layout)
+        if config is None:
+            native_kwargs["has_embed_tokens"] = "embed_tokens.weight" in state
+            native_kwargs.setdefault("target_name_or_path", raw_cfg.get("target_name_or_path"))
+            config = Eagle3Config(**native_kwargs)
+        if config.draft_vocab_size != config.vocab_size and "d2t" not in state:
+            raise ValueError(
+                f"{path}: the draft vocabulary ({config.draft_vocab_size}) differs from the target's "
+                f"({config.vocab_size}) but the checkpoint has no `d2t` mapping. Add the `d2t` tensor the draft was "
+                "trained with (hf-eagle3's trainer writes it)."
+            )
+        if isinstance(dtype, str):
+            dtype = None if dtype == "auto" else getattr(torch, dtype)
+        if dtype is None:
+            floats = [v.dtype for v in state.values() if v.is_floating_point()]
+            dtype = floats[0] if floats and floats[0] != torch.float64 else torch.float32
+        with torch.device("meta"):
+            model = cls(config, *model_args)
+        model.load_checkpoint_state_dict(state, source=path)
+        model = model.to(dtype=dtype)
+        if device is not None and not isinstance(device, dict):
+            model = model.to(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if k_default:
+            model.generation_config.num_assistant_tokens = k_default
+        gen_file = _resolve(path, "generation_config.json", hub, optional=True)
+        if gen_file is not None:
+            gen = json.loads(open(gen_file).read())
+            for key in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"):
+                if gen.get(key) is not None:
+                    setattr(model.generation_config, key, gen[key])
+        model.name_or_path = path
+        model.config._name_or_path = path
+        return model.eval()
+
+    def load_checkpoint_state_dict(self, state: dict, source: str = "checkpoint") -> None:
+        """Load a native-named state dict strictly: missing, unexpected or mis-shaped tensors raise ``ValueError``."""
+        own = {k: v for k, v in self.state_dict().items()}
+        missing = sorted(set(own) - set(state) - {"t2d"})
+        unexpected = sorted(set(state) - set(own))
+        if "d2t" in missing and self.config.draft_vocab_size == self.config.vocab_size:
+            missing.remove("d2t")
+        if missing or unexpected:
+            raise ValueError(
+                f"{source}: checkpoint does not match the EAGLE-3 draft layout. Missing: {missing or 'none'}. "
+                f"Unexpected: {unexpected or 'none'}. (Is this an EAGLE-3 draft, and is its config.json the one "
+                "that came with these weights?)"
+            )
+        bad = [f"{k}: checkpoint {tuple(state[k].shape)} vs config {tuple(own[k].shape)}"
+               for k in state if tuple(state[k].shape) != tuple(own[k].shape)]
+        if bad:
+            raise ValueError(f"{source}: weights of the wrong shape for its config: " + "; ".join(bad))
+        full = dict(state)
+        vd, v = self.config.draft_vocab_size, self.config.vocab_size
+        if "d2t" not in full:
+            full["d2t"] = torch.zeros(vd, dtype=torch.long)
+        d2t = full["d2t"].long()
+        targets = torch.arange(vd) + d2t
+        if targets.min() < 0 or targets.max() >= v:
+            raise ValueError(f"{source}: d2t maps draft tokens outside the target vocabulary [0, {v}).")
+        if "t2d" not in full:
+            t2d = torch.zeros(v, dtype=torch.bool)
+            t2d[targets] = True
+            full["t2d"] = t2d
+        full["d2t"], full["t2d"] = d2t, full["t2d"].bool()
+        for k, val in full.items():
+            if val.is_floating_point():
+                full[k] = val.float()
+        self.load_state_dict(full, strict=True, assign=True)
+        self.inv_freq = rope_inv_freq(self.config)
+
+
+def convert_state_dict(state: dict, layout: str) -> dict:
+    """Rename a published checkpoint's tensors to our names (``layers.0.`` -> ``midlayer.``, prefixes dropped)."""
+    out = {}
+    for k, v in state.items():
+        for prefix in ("model.", "eagle3.", "draft_model."):
+            if k.startswith(prefix) and not k.startswith("midlayer"):
+                k = k[len(prefix):]
+        if k.startswith("layers.0."):
+            k = "midlayer." + k[len("layers.0."):]
+        if k.startswith("midlayer.self_attn.rotary_emb") or k == "inv_freq":
+            continue
+        out[k] = v
+    return out
+
+
+def _resolve(path: str, filename: str, hub: dict, optional: bool = False):
+    sub = hub.get("subfolder") or ""
+    local = os.path.join(path, sub, filename)
+    if os.path.isdir(path):
+        if os.path.isfile(local):
+            return local
+        if optional:
+            return None
+        raise FileNotFoundError(f"{path} has no {os.path.join(sub, filename)}")
+    from transformers.utils import cached_file
+
+    return cached_file(
+        path,
+        filename,
+        _raise_exceptions_for_missing_entries=not optional,
+        _raise_exceptions_for_connection_errors=not optional,
+        **hub,
+    )
+
+
+def _load_file(file: str) -> dict:
+    if file.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(file)
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _load_state_dict(path: str, hub: dict) -> dict:
+    for name in WEIGHT_FILES:
+        file = _resolve(path, name, hub, optional=True)
+        if file is not None:
+            return _load_file(file)
+    for name in INDEX_FILES:
+        index = _resolve(path, name, hub, optional=True)
+        if index is not None:
+            shards = sorted(set(json.loads(open(index).read())["weight_map"].values()))
+            state = {}
+            for shard in shards:
+                state.update(_load_file(_resolve(path, shard, hub)))
+            return state
+    raise FileNotFoundError(f"{path}: no weights found (looked for {WEIGHT_FILES + INDEX_FILES})")
+
+
+install_generate_hook()
