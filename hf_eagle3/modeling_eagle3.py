@@ -131,6 +131,9 @@ class Eagle3Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        if cache is not None and hasattr(cache, "attend"):  # structured attention (training-time test)
+            out = cache.attend(q, k, v)
+            return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
         past = 0
         if cache is not None:
             past = cache.get_seq_length()

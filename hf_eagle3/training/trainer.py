@@ -45,11 +45,83 @@ class ConcatKVCache:
         return self.keys, self.values
 
 
+class TTTAttention:
+    """The attention pattern of the training-time test, computed in O(m^2 + k m) instead of O(k m^2).
+
+    Passed as the draft's ``cache``: step 0 attends causally to its own keys; step s attends to the step-0 keys
+    causally plus, at its own base position, the keys of steps 1..s. Equivalent to SDPA over the concatenated keys
+    with :func:`ttt_attention_mask`.
+    """
+
+    def __init__(self):
+        self.keys: list = []
+        self.values: list = []
+
+    def get_seq_length(self) -> int:
+        """Number of steps' keys held (each of the full sequence length)."""
+        return sum(k.shape[2] for k in self.keys)
+
+    def attend(self, q, k, v):
+        """Store this step's ``k``/``v`` ([B, kv_heads, m, D]) and attend ``q`` ([B, heads, m, D]) over all steps."""
+        self.keys.append(k)
+        self.values.append(v)
+        groups = q.shape[1] // k.shape[1]
+
+        def expand(x):
+            return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+        scale = q.shape[-1] ** -0.5
+        k0, v0 = expand(self.keys[0]), expand(self.values[0])
+        m = q.shape[2]
+        scores = (q @ k0.transpose(-1, -2)).float() * scale
+        causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        diag = [((q * expand(kj)).sum(-1, keepdim=True)).float() * scale for kj in self.keys[1:]]
+        weights = torch.cat([scores] + diag, dim=-1).softmax(-1).to(q.dtype)
+        out = weights[..., :m] @ v0
+        for j, vj in enumerate(self.values[1:]):
+            out = out + weights[..., m + j : m + j + 1] * expand(vj)
+        return out
+
+
 def ttt_attention_mask(m: int, step: int, device=None) -> torch.Tensor:
     """Bool mask [m, (step + 1) * m] of TTT step ``step``: causal over step-0 keys, diagonal over steps 1..step."""
     causal = torch.ones(m, m, dtype=torch.bool, device=device).tril()
     eye = torch.eye(m, dtype=torch.bool, device=device)
     return torch.cat([causal] + [eye] * step, dim=1)
+
+
+def ttt_forward(draft: Eagle3DraftModel, features: torch.Tensor, input_ids: torch.LongTensor, ttt_length: int = 7):
+    """Unroll the draft ``ttt_length`` steps over every base position of a batch.
+
+    Args:
+        draft: the draft (bound to an embedding).
+        features: captured target features [B, n, 3T].
+        input_ids: tokens [B, n] (target vocabulary).
+        ttt_length: unrolled steps.
+
+    Returns:
+        A list of ``ttt_length`` pre-norm hidden states [B, n - 1, H]; entry k at base position t is what the draft
+        computes at inference on its (k+1)-th step after the real features up to t, fed tokens t+1 .. t+1+k.
+    """
+    b, n = input_ids.shape
+    m = n - 1  # base positions t = 0..n-2 (token t+1 exists)
+    hidden = draft.project_features(features[:, :m])
+    tokens_all = F.pad(input_ids, (0, ttt_length + 1))
+    cache = TTTAttention()
+    base = torch.arange(m, device=input_ids.device)[None].expand(b, m)
+    outs = []
+    for k in range(ttt_length):
+        out = draft(
+            input_ids=tokens_all[:, 1 + k : 1 + k + m],
+            hidden_states=hidden,
+            position_ids=base + k,
+            cache=cache,
+            logits_to_keep=-1,
+        )
+        hidden = out.hidden_states
+        outs.append(hidden)
+    return outs
 
 
 def ttt_loss(
@@ -75,34 +147,19 @@ def ttt_loss(
         step_decay: step k is weighted ``step_decay ** k``.
 
     Returns:
-        ``(loss, stats)`` where ``stats`` has per-step ``loss``, ``acc`` (draft argmax == target argmax on counted
-        positions) and ``count`` lists.
+        ``(loss, stats)``: the weighted sum over steps of each step's mean soft cross-entropy over its counted
+        positions, and per-step ``loss``, ``acc`` (draft argmax == target argmax) and ``count`` lists.
     """
-    b, n = input_ids.shape
-    m = n - 1  # base positions t = 0..n-2 (token t+1 exists)
-    hidden = draft.project_features(features[:, :m])
+    m = input_ids.shape[1] - 1
     pad = ttt_length + 1  # pad once so that every step reads a window [1 + k, 1 + k + m)
-    tokens_all = F.pad(input_ids, (0, pad))
     probs_all = F.pad(target_logits.float().softmax(-1), (0, 0, 0, pad))
     argmax_all = F.pad(target_logits.argmax(-1), (0, pad))
     mask_all = F.pad(loss_mask.float(), (0, pad))
-    cache = ConcatKVCache()
-    base = torch.arange(m, device=input_ids.device)[None].expand(b, m)
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = features.new_zeros((), dtype=torch.float32)
     stats = {"loss": [], "acc": [], "count": []}
-    for k in range(ttt_length):
+    for k, hidden in enumerate(ttt_forward(draft, features, input_ids, ttt_length)):
         window = slice(1 + k, 1 + k + m)
-        out = draft(
-            input_ids=tokens_all[:, window],
-            hidden_states=hidden,
-            position_ids=base + k,
-            cache=cache,
-            attention_mask=ttt_attention_mask(m, k, device=input_ids.device),
-            logits_to_keep=-1,
-        )
-        hidden = out.hidden_states
-        # the LM head and the loss only where the position counts
-        sel = mask_all[:, window] > 0
+        sel = mask_all[:, window] > 0  # the LM head and the loss only where the position counts
         count = int(sel.sum())
         stats["count"].append(float(count))
         if count == 0:
@@ -285,10 +342,11 @@ def init_draft(config: Eagle3Config, head: dict, d2t: torch.Tensor, t2d: torch.T
     return draft
 
 
-def _lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
+def _lr_factor(step: int, progress: float, cfg: TrainConfig) -> float:
+    """Linear warm-up over ``cfg.warmup_steps``, then cosine decay to ``cfg.min_lr_ratio`` as ``progress`` -> 1."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    progress = min(1.0, max(0.0, progress))
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -327,7 +385,15 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
         total_steps = min(total_steps, cfg.max_steps)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, total_steps, cfg))
+    clock = {"start": time.time(), "offset": 0.0}
+
+    def progress(s: int) -> float:
+        # with a time budget the schedule follows the clock, so that it ends decayed whatever the speed
+        if cfg.max_minutes:
+            return (clock["offset"] + time.time() - clock["start"]) / (cfg.max_minutes * 60)
+        return (s - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, progress(s), cfg))
     step, start_epoch, skip = 0, 0, 0
     ckpt = out / "checkpoint.pt"
     if ckpt.exists():
@@ -336,6 +402,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         step, start_epoch, skip = state["step"], state["epoch"], state["batches_done"]
+        clock["offset"] = state.get("elapsed", 0.0)
         log(f"resumed from {ckpt} at step {step} (epoch {start_epoch}, batch {skip})")
     draft.train()
     model, opt = accelerator.prepare(draft, opt)
@@ -343,7 +410,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     embed = embed.to(accelerator.device)
     unwrapped._target_embedding = (embed,)
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
-    t0 = time.time()
+    t0 = clock["start"] = time.time()
     tokens_seen = 0
 
     def save(epoch, batches_done):
@@ -356,6 +423,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
                 "step": step,
                 "epoch": epoch,
                 "batches_done": batches_done,
+                "elapsed": clock["offset"] + time.time() - clock["start"],
             },
             tmp,
         )
@@ -398,7 +466,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
                         f"{rec['minutes']:.1f} min")
                 if step % cfg.save_every == 0:
                     save(epoch, bi + 1)
-                if (cfg.max_steps and step >= cfg.max_steps) or (cfg.max_minutes and time.time() - t0 > cfg.max_minutes * 60):
+                if (cfg.max_steps and step >= cfg.max_steps) or (cfg.max_minutes and clock["offset"] + time.time() - t0 > cfg.max_minutes * 60):
                     save(epoch, bi + 1)
                     done = True
                     break

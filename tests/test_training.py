@@ -1,0 +1,183 @@
+"""Draft training: vocabulary mapping, TTT attention/loss/masking, training-time test == inference, training."""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_draft, tiny_target
+
+import hf_eagle3
+from hf_eagle3.training.features import cache_features
+from hf_eagle3.training.trainer import (
+    ConcatKVCache,
+    TrainConfig,
+    TTTAttention,
+    collate,
+    draft_config_for_target,
+    evaluate,
+    init_draft,
+    train,
+    ttt_attention_mask,
+    ttt_forward,
+    ttt_loss,
+)
+from hf_eagle3.training.vocab import build_vocab_mapping, check_vocab_mapping, count_tokens, coverage
+
+
+def test_vocab_mapping_toy_corpus():
+    counts = count_tokens([[5, 5, 2, 9], [5, 9, 2, 1], [5, 9, 2]])  # 5:4, 2:3, 9:3, 1:1
+    d2t, t2d = build_vocab_mapping(counts, 3, 12)
+    used = torch.arange(3) + d2t
+    assert used.tolist() == [2, 5, 9]  # the 3 most frequent, sorted ascending
+    assert d2t.tolist() == [2, 4, 7]  # d2t[i] = used[i] - i
+    assert t2d.nonzero().flatten().tolist() == [2, 5, 9]
+    assert coverage(counts, d2t) == pytest.approx(10 / 11)
+    # ties broken by the smaller id; unseen ids fill a vocabulary larger than the corpus
+    d2t, _ = build_vocab_mapping(Counter({7: 2, 3: 2, 4: 1}), 2, 10)
+    assert (torch.arange(2) + d2t).tolist() == [3, 7]
+    d2t, t2d = build_vocab_mapping(Counter({7: 2}), 3, 10)
+    assert (torch.arange(3) + d2t).tolist() == [0, 1, 7] and int(t2d.sum()) == 3
+
+
+def test_vocab_mapping_consistency_check():
+    d2t, t2d = build_vocab_mapping(Counter({1: 3, 4: 2, 6: 1}), 3, 8)
+    bad = t2d.clone()
+    bad[0] = True
+    with pytest.raises(ValueError, match="t2d"):
+        check_vocab_mapping(d2t, bad)
+    with pytest.raises(ValueError, match="increasing"):
+        check_vocab_mapping(torch.tensor([4, 0, 0]), t2d)
+    with pytest.raises(ValueError, match="outside"):
+        build_vocab_mapping(Counter({99: 1}), 1, 8)
+
+
+def test_ttt_attention_equals_masked_sdpa():
+    torch.manual_seed(0)
+    att, ref = TTTAttention(), ConcatKVCache()
+    for step in range(4):
+        q = torch.randn(2, 4, 6, 8)
+        k, v = torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+        out = att.attend(q, k, v)
+        keys, values = ref.update(k, v)
+        expected = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=ttt_attention_mask(6, step), enable_gqa=True
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def _bound_draft(vocab=64, dv=32, hidden=32, seed=0):
+    target = tiny_target("llama", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=4)
+    draft = tiny_draft(target, dv, seed=seed)
+    draft.bind_target(target)
+    return target, draft
+
+
+def test_training_time_test_matches_inference():
+    """Step k of the unrolled TTT at base t == the draft's (k+1)-th step at inference after real features up to t."""
+    torch.manual_seed(0)
+    _, draft = _bound_draft()
+    n, T = 9, draft.config.target_hidden_size
+    feats = torch.randn(1, n, 3 * T)
+    ids = torch.randint(0, 64, (1, n))
+    steps = ttt_forward(draft, feats, ids, ttt_length=3)
+    for t in range(n - 1):
+        cache = hf_eagle3.Eagle3KVCache()
+        out = draft(input_ids=ids[:, 1 : t + 2], target_features=feats[:, : t + 1], cache=cache)
+        torch.testing.assert_close(out.hidden_states[:, -1], steps[0][:, t], atol=1e-5, rtol=1e-4)
+        h = out.hidden_states[:, -1:]
+        for k in range(1, 3):
+            if t + 1 + k >= n:
+                break
+            out = draft(input_ids=ids[:, t + 1 + k : t + 2 + k], hidden_states=h, cache=cache,
+                        position_ids=torch.tensor([[t + k]]))
+            torch.testing.assert_close(out.hidden_states[:, -1], steps[k][:, t], atol=1e-5, rtol=1e-4)
+            h = out.hidden_states
+
+
+def test_ttt_loss_matches_direct_computation_and_masking():
+    torch.manual_seed(1)
+    _, draft = _bound_draft()
+    b, n, T, dv = 2, 7, draft.config.target_hidden_size, draft.config.draft_vocab_size
+    feats, ids = torch.randn(b, n, 3 * T), torch.randint(0, 64, (b, n))
+    tlogits = torch.randn(b, n, dv)
+    mask = (torch.rand(b, n) > 0.4).float()
+    mask[:, -1] = 0
+    loss, stats = ttt_loss(draft, feats, ids, tlogits, mask, ttt_length=3, step_decay=0.8)
+    steps = ttt_forward(draft, feats, ids, 3)
+    expected = 0.0
+    for k in range(3):
+        terms, hits = [], []
+        for r in range(b):
+            for t in range(n - 1):
+                pos = t + 1 + k  # step k at base t is trained on the target's distribution at position t+1+k
+                if pos < n and mask[r, pos] > 0:
+                    p = tlogits[r, pos].softmax(-1)
+                    logq = draft.compute_logits(steps[k][r, t]).log_softmax(-1)
+                    terms.append(-(p * logq).sum())
+                    hits.append(float(logq.argmax() == p.argmax()))
+        assert stats["count"][k] == len(terms)
+        if terms:
+            expected = expected + 0.8**k * torch.stack(terms).mean()
+            assert stats["acc"][k] == pytest.approx(sum(hits) / len(hits))
+    torch.testing.assert_close(loss, torch.as_tensor(expected, dtype=loss.dtype), atol=1e-4, rtol=1e-4)
+    # a fully masked batch contributes nothing
+    zero, stats0 = ttt_loss(draft, feats, ids, tlogits, torch.zeros(b, n), ttt_length=3)
+    assert float(zero) == 0.0 and stats0["count"] == [0.0, 0.0, 0.0]
+
+
+def test_collate_mask_counts_response_tokens_in_draft_vocab():
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[1, 2, 3]] = True
+    item = {
+        "input_ids": torch.tensor([5, 6, 1, 2, 9]),
+        "features": torch.zeros(5, 6),
+        "last_hidden": torch.zeros(5, 2),
+        "target_argmax": torch.tensor([1, 1, 2, 9, 3]),
+        "prompt_len": 2,
+    }
+    batch = collate([item], t2d, torch.zeros(3, 2))
+    # position i counts if token i+1 is a response token (i+1 >= 2), i+1 exists, and the target argmax at i is drafted
+    assert batch["loss_mask"][0].tolist() == [0.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def _tiny_records(target, n=24, prompt=8, new=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    records = []
+    for i in range(n):
+        p = torch.randint(4, target.config.vocab_size, (1, prompt), generator=g)
+        out = target.generate(p, max_new_tokens=new, do_sample=False)
+        records.append({"id": str(i), "prompt_ids": p[0].tolist(), "response_ids": out[0, prompt:].tolist()})
+    return records
+
+
+def test_a_few_training_steps_reduce_the_loss_and_checkpoint_resumes(tmp_path):
+    target = tiny_target("llama")
+    with torch.no_grad():  # a peaked target distribution, so that a draft can learn something within a few steps
+        target.lm_head.weight.mul_(8)
+    records = _tiny_records(target)
+    feats = tmp_path / "features"
+    cache_features(target, records, feats, [2, 3, 3], per_shard=8, dtype=torch.float32, progress=False)
+    head = torch.load(feats / "target_head.pt", weights_only=False)
+    d2t, t2d = build_vocab_mapping(count_tokens(r["response_ids"] for r in records), 128, 256)
+    draft = init_draft(draft_config_for_target(head["config"], 128, intermediate_size=96), head, d2t, t2d)
+    shards = sorted(feats.glob("shard-*.pt"))
+    before = evaluate(draft, feats, shards=shards[:2], ttt_length=3)
+    cfg = TrainConfig(lr=3e-3, epochs=4, batch_tokens=256, warmup_steps=2, ttt_length=3, log_every=1,
+                      save_every=1000, mixed_precision="no", holdout_shards=1)
+    draft = train(draft, feats, tmp_path / "run", cfg, log=lambda s: None)
+    after = evaluate(draft, feats, shards=shards[:2], ttt_length=3)
+    assert sum(after["loss"]) < 0.9 * sum(before["loss"])
+    assert (tmp_path / "run" / "checkpoint.pt").exists()
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert state["epoch"] == 4 and state["step"] > 0
+    # a rerun resumes at the end instead of starting over: nothing more is trained
+    again = init_draft(draft_config_for_target(head["config"], 128, intermediate_size=96), head, d2t, t2d)
+    again = train(again, feats, tmp_path / "run", cfg, log=lambda s: None)
+    for a, b in zip(draft.state_dict().values(), again.state_dict().values()):
+        torch.testing.assert_close(a, b)
+    # the trained draft decodes losslessly
+    ids = torch.tensor([records[0]["prompt_ids"]])
+    ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+    out = target.generate(ids, assistant_model=again.float(), max_new_tokens=20, do_sample=False)
+    assert torch.equal(out, ref)
