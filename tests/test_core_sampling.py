@@ -78,6 +78,8 @@ def chi_square_homogeneity(a: list, b: list) -> tuple[float, int, float]:
         ea, eb = (x + y) * na / (na + nb), (x + y) * nb / (na + nb)
         stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
     df = len(cells) - 1
+    if df == 0:
+        return 0.0, 0, 1.0
     p = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
     return stat, df, float(p)
 
@@ -85,7 +87,7 @@ def chi_square_homogeneity(a: list, b: list) -> tuple[float, int, float]:
 def distribution_p_values(samples: list[list[int]]) -> dict[str, float]:
     """p-values of the 2nd new token, the 3rd, and the pair, with vs without the draft."""
     plain = plain_samples()
-    views = {"tokens 1-2": slice(0, 2), "tokens 1-3": slice(0, 3), "token 2": slice(1, 2), "token 3": slice(2, 3)}
+    views = {"token 2": slice(1, 2), "token 3": slice(2, 3), "tokens 2-3": slice(1, 3)}
     return {
         name: chi_square_homogeneity([tuple(s[v]) for s in samples], [tuple(s[v]) for s in plain])[2]
         for name, v in views.items()
@@ -103,7 +105,7 @@ def test_chi_square_helper():
 
 def test_sampling_keeps_target_distribution():
     samples, accepted = assisted_samples(600)
-    assert accepted > 0.2, "the test needs drafts that are often accepted"
+    assert accepted > 0.4, "the test needs drafts that are often accepted"
     p = distribution_p_values(samples)
     assert min(p.values()) > ALPHA / 3, p
 
@@ -132,7 +134,7 @@ def _broken_d2t(self, seq, draft_scores):
 def test_negative_control_detects_broken_generator(broken, monkeypatch):
     """The distribution test has power: misapplied processors or ``d2t`` make it fail (with fewer samples)."""
     monkeypatch.setattr(Eagle3CandidateGenerator, "_select", broken)
-    samples, _ = assisted_samples(300, seed=5000)
+    samples, _ = assisted_samples(400, seed=5000)
     p = distribution_p_values(samples)
     assert min(p.values()) < ALPHA / 3, p
 

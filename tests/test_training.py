@@ -181,3 +181,38 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoint_resumes(tmp_path):
     ref = target.generate(ids, max_new_tokens=20, do_sample=False)
     out = target.generate(ids, assistant_model=again.float(), max_new_tokens=20, do_sample=False)
     assert torch.equal(out, ref)
+
+
+def test_train_cli_end_to_end_and_exports_reload(tmp_path):
+    """`hf-eagle3 train`: vocab -> features -> TTT -> save; flat and speculators exports reload identically."""
+    import json
+
+    from hf_eagle3.training.cli import main
+
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "responses-00000.jsonl", "w") as f:
+        for r in _tiny_records(target, n=12, new=16):
+            f.write(json.dumps(r) + "\n")
+    out = tmp_path / "out"
+    main(["train", "--target", str(tmp_path / "target"), "--data", str(data), "--out", str(out),
+          "--draft-vocab-size", "64", "--per-shard", "4", "--max-steps", "3", "--batch-tokens", "256",
+          "--mixed-precision", "no", "--save-dtype", "float32", "--export-flat", "--export-speculators",
+          "--feature-dtype", "float32"])
+    native = hf_eagle3.Eagle3DraftModel.from_pretrained(out / "draft")
+    assert native.config.draft_vocab_size == 64 and native.config.feature_layer_ids == [2, 3, 3]
+    summary = json.loads((out / "draft" / "training_summary.json").read_text())
+    assert summary["records"] == 12 and len(summary["holdout"]["acc"]) == 7
+    ids = torch.tensor([[5, 17, 99, 3, 42, 8]])
+    ref = target.generate(ids, assistant_model=native, max_new_tokens=12, do_sample=False)
+    feats = torch.randn(1, 6, 3 * 64)
+    native.bind_target(target)
+    expected = native(input_ids=ids, target_features=feats).logits
+    for layout in ("export-flat", "export-speculators"):
+        other = hf_eagle3.Eagle3DraftModel.from_pretrained(out / layout)
+        assert other.config.feature_layer_ids == [2, 3, 3]
+        other.bind_target(target)
+        torch.testing.assert_close(other(input_ids=ids, target_features=feats).logits, expected)
+        assert torch.equal(target.generate(ids, assistant_model=other, max_new_tokens=12, do_sample=False), ref)

