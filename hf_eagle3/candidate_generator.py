@@ -290,6 +290,7 @@ class _Eagle3Call:
     capture: object
     settings: dict
     generator: Eagle3CandidateGenerator | None = None
+    tree: dict | None = None  # tree settings (see tree_decoding.py); None = chain drafting
 
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_active_call", default=None)
@@ -332,6 +333,9 @@ def _eagle3_generate(original):
             )
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             raise ValueError("Pass either `assistant_model` (an EAGLE-3 draft) or `prompt_lookup_num_tokens`, not both.")
+        from .tree_decoding import pop_tree_settings
+
+        tree = pop_tree_settings(self, draft, kwargs)  # removes the tree_* kwargs; validates before any work
         draft.bind_target(self)
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         from .feature_capture import find_decoder_layers
@@ -340,7 +344,7 @@ def _eagle3_generate(original):
         layer_ids = draft.config.resolve_feature_layer_ids(len(layers))
         del text
         capture = Eagle3FeatureCapture(self, layer_ids, draft.config.target_layers_path)
-        call = _Eagle3Call(draft=draft, capture=capture, settings=_user_draft_settings(kwargs))
+        call = _Eagle3Call(draft=draft, capture=capture, settings=_user_draft_settings(kwargs), tree=tree)
         token = _ACTIVE.set(call)
         capture.install()
         try:
@@ -415,3 +419,6 @@ def install_generate_hook() -> None:
         mixin.generate = _eagle3_generate(mixin.generate)
     if getattr(mixin._get_candidate_generator, "_hf_eagle3_hook", None) is None:
         mixin._get_candidate_generator = _eagle3_get_candidate_generator(mixin._get_candidate_generator)
+    from .tree_decoding import install_tree_hook
+
+    install_tree_hook()

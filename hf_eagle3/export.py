@@ -51,6 +51,7 @@ CORE_FILES = (
     "candidate_generator.py",
     "feature_capture.py",
     "logits_process.py",
+    "tree_decoding.py",
 )
 AUTO_MAP = {"AutoConfig": "configuration_eagle3.Eagle3Config", "AutoModel": "modeling_eagle3.Eagle3DraftModel"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -162,8 +163,9 @@ def export_remote_code(draft_or_path, out_dir: str | os.PathLike, dtype=None) ->
     EAGLE-3 decoding. Without ``trust_remote_code=True``, Transformers refuses with its usual ``ValueError`` (unless
     ``hf_eagle3`` is imported, which registers the model type locally).
 
-    The bundle holds all five core files: Transformers copies a modeling file's relative imports recursively (also
-    those inside functions), and the generate hook imports ``feature_capture`` / ``logits_process`` lazily.
+    The bundle holds all the core files: Transformers copies a modeling file's relative imports recursively (also
+    those inside functions), and the generate hook imports ``feature_capture`` / ``logits_process`` /
+    ``tree_decoding`` lazily.
 
     Args:
         draft_or_path (`Eagle3DraftModel`, `str` or `os.PathLike`): the draft, or a checkpoint in any supported

@@ -184,22 +184,25 @@ class FeatureShards:
         root: directory written by :func:`hf_eagle3.training.features.cache_features`.
         batch_tokens: padded tokens per batch (at most).
         max_prompt_context: keep at most this many prompt tokens before each response.
-        holdout_shards: the last shards are left out of training (for evaluation).
+        holdout_shards: the first shards are left out of training (for evaluation).
         seed: shuffling seed.
     """
 
     def __init__(self, root, batch_tokens: int = 4096, max_prompt_context: int = 256, holdout_shards: int = 0, seed: int = 0):
         self.root = Path(root)
-        self.shards = sorted(self.root.glob("shard-*.pt"))
-        if holdout_shards:
-            self.holdout, self.shards = self.shards[-holdout_shards:], self.shards[:-holdout_shards]
-        else:
-            self.holdout = []
-        if not self.shards:
-            raise FileNotFoundError(f"no feature shards in {root}: run `hf-eagle3 prepare` / cache_features first")
+        self.holdout_shards = holdout_shards
         self.batch_tokens = batch_tokens
         self.max_prompt_context = max_prompt_context
         self.seed = seed
+        self.refresh()
+        if not self.shards:
+            raise FileNotFoundError(f"no feature shards in {root}: run `hf-eagle3 prepare` / cache_features first")
+
+    def refresh(self) -> None:
+        """Re-read the shard list (training picks up shards written meanwhile at the next epoch). The first
+        ``holdout_shards`` shards are held out, so the held-out set stays the same while data grows."""
+        shards = sorted(self.root.glob("shard-*.pt"))
+        self.holdout, self.shards = shards[: self.holdout_shards], shards[self.holdout_shards :]
 
     def _trim(self, item):
         cut = max(0, item["prompt_len"] - self.max_prompt_context)
@@ -278,7 +281,7 @@ class TrainConfig:
         mixed_precision: ``"bf16"``, ``"fp16"`` or ``"no"`` (accelerate autocast).
         save_every: checkpoint every this many optimiser steps.
         log_every: log every this many steps.
-        holdout_shards: shards kept out of training for evaluation.
+        holdout_shards: shards kept out of training for evaluation (the first ones).
         max_steps: stop after this many steps (0 = no limit).
         max_minutes: stop (with a checkpoint) after this many minutes of training (0 = no limit).
         seed: random seed.
@@ -379,8 +382,8 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     lm_rows = head["lm_head"][used]
     t2d = draft.t2d.cpu().bool()
     data = FeatureShards(features_dir, cfg.batch_tokens, cfg.max_prompt_context, cfg.holdout_shards, cfg.seed)
-    steps_per_epoch = data.num_batches()
-    total_steps = steps_per_epoch * cfg.epochs
+    # with a time budget the schedule follows the clock: no need to read every shard to count batches
+    total_steps = 0 if cfg.max_minutes else data.num_batches() * cfg.epochs
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -432,6 +435,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     done = False
     with open(out / "log.jsonl", "a") as logf:
         for epoch in range(start_epoch, cfg.epochs):
+            data.refresh()
             for bi, (_, _, items) in enumerate(data.batches(epoch)):
                 if epoch == start_epoch and bi < skip:
                     continue
@@ -462,7 +466,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
                     }
                     logf.write(json.dumps(rec) + "\n")
                     logf.flush()
-                    log(f"step {step}/{total_steps} loss {rec['loss']:.4f} acc {rec['acc']} lr {rec['lr']:.2e} "
+                    log(f"step {step}/{total_steps or '?'} loss {rec['loss']:.4f} acc {rec['acc']} lr {rec['lr']:.2e} "
                         f"{rec['minutes']:.1f} min")
                 if step % cfg.save_every == 0:
                     save(epoch, bi + 1)
@@ -482,7 +486,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
 @torch.no_grad()
 def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int = 7, batch_tokens: int = 4096,
              max_prompt_context: int = 256) -> dict:
-    """Per-step accuracy of ``draft`` on feature shards (default: the held-out last shard).
+    """Per-step accuracy of ``draft`` on feature shards (default: the held-out first shard).
 
     Returns:
         ``{"acc": [...], "loss": [...], "count": ...}`` averaged over counted positions.

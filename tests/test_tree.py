@@ -1,0 +1,368 @@
+"""EAGLE-3 with dynamic draft trees (``tree_total_tokens`` / ``tree_depth`` / ``tree_top_k``) is lossless.
+
+Greedy: token identity with the target alone on tiny random targets of four architectures (gemma3 has sliding-window
+layers and prompts longer than its window), for several tree shapes including a single node and chains written as
+trees; an oracle draft that puts the target's own continuation somewhere in the tree (high acceptance, so the KV
+gathers of both caches are exercised); EOS and ``max_new_tokens`` inside a round; logits processors; streamers;
+``return_dict_in_generate``; ``tree_total_tokens="auto"``. Sampling: a chi-square test of the first new tokens with
+vs without the draft, with a broken acceptance rule as negative control. Bad settings fail before any work.
+SmolLM2-135M-Instruct runs under ``slow``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+import torch
+from conftest import tiny_draft, tiny_target
+
+import hf_eagle3.tree_decoding as td
+from hf_eagle3.candidate_generator import _ACTIVE
+
+ARCHS = ("llama", "qwen3", "mistral", "gemma3")
+SHAPES = [(1, 1, 1), (1, 4, 4), (2, 3, 1), (4, 4, 8), (3, 3, 12)]  # (top_k, depth, total_tokens)
+
+
+def tree(top_k, depth, total):
+    return dict(tree_top_k=top_k, tree_depth=depth, tree_total_tokens=total)
+
+
+@functools.lru_cache(maxsize=None)
+def target_of(arch: str):
+    model = tiny_target(arch)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def draft_of(arch: str, draft_vocab_size: int | None = None):
+    return tiny_draft(target_of(arch), draft_vocab_size)
+
+
+def prompt(length: int, seed: int = 0) -> torch.LongTensor:
+    gen = torch.Generator().manual_seed(2000 + seed)
+    return torch.randint(4, 256, (1, length), generator=gen)
+
+
+def greedy(model, ids, **kwargs):
+    return model.generate(ids, do_sample=False, **kwargs)
+
+
+def no_hooks_left(target) -> bool:
+    layers = target.model.layers
+    return _ACTIVE.get() is None and all(not layer._forward_pre_hooks for layer in layers)
+
+
+# ------------------------------------------------------------------------------------------------ greedy identity
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_identity_random_draft(arch):
+    target = target_of(arch)
+    for i, shape in enumerate(SHAPES):
+        draft = draft_of(arch, None if i % 2 else 48)
+        ids = prompt((5, 19, 1, 23, 9)[i], seed=i)  # 19 and 23 exceed gemma3's sliding window (16)
+        ref = greedy(target, ids, max_new_tokens=12)
+        out = greedy(target, ids, max_new_tokens=12, assistant_model=draft, **tree(*shape))
+        assert torch.equal(out, ref), (arch, shape, out[0, ids.shape[1]:].tolist(), ref[0, ids.shape[1]:].tolist())
+        stats = draft.last_stats
+        assert stats.num_output_tokens == 12
+        assert stats.num_target_forwards == 12 - stats.num_accepted_tokens
+        assert no_hooks_left(target)
+
+
+def oracle(draft, reference: list[int], second_every: int = 2):
+    """Make ``draft`` propose ``reference[q + 2]`` after a node at draft position q whose token is ``reference[q + 1]``
+    (the target's own greedy continuation), as its best child, or as its second best at every ``second_every``-th
+    position (then a fixed decoy ranks first). Other nodes get random scores."""
+    forward = draft.forward
+    vocab = draft.config.draft_vocab_size
+
+    def oracle_forward(input_ids=None, position_ids=None, **kwargs):
+        out = forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        if out.logits is None:
+            return out
+        m = out.logits.shape[1]
+        gen = torch.Generator().manual_seed(int(position_ids[0, -1]))
+        logits = torch.randn(1, m, vocab, generator=gen)
+        for row, (q, t) in enumerate(zip(position_ids[0, -m:].tolist(), input_ids[0, -m:].tolist())):
+            if q + 2 < len(reference) and t == reference[q + 1]:
+                logits[0, row, reference[q + 2]] = 20.0
+                if q % second_every == 0:
+                    logits[0, row, (reference[q + 2] + 7) % vocab] = 21.0
+        out.logits = logits.to(out.logits.dtype)
+        return out
+
+    draft.forward = oracle_forward
+    return draft
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("shape", [(2, 5, 10), (3, 4, 9), (1, 6, 6)])
+def test_oracle_draft_is_accepted_and_caches_stay_exact(arch, shape):
+    """High acceptance: the accepted nodes are rarely contiguous in the tree, so a crop instead of a gather of the
+    target's (or the draft's) KV cache would change the output."""
+    target = target_of(arch)
+    ids = prompt(21, seed=7)
+    ref = greedy(target, ids, max_new_tokens=30)
+    draft = oracle(tiny_draft(target, seed=3), ref[0].tolist(), second_every=1 if shape[0] == 1 else 2)
+    out = greedy(target, ids, max_new_tokens=30, assistant_model=draft, **tree(*shape))
+    assert torch.equal(out, ref)
+    stats = draft.last_stats
+    if shape[0] == 1:  # a chain whose guesses are always second best: nothing accepted
+        assert stats.mean_acceptance_length == 1.0
+    else:
+        assert stats.mean_acceptance_length > shape[1], stats.to_dict()
+        assert stats.accepted_per_position[shape[1] - 1] > 0
+
+
+def test_eos_and_max_new_tokens_inside_a_round():
+    target = target_of("llama")
+    ids = prompt(6, seed=3)
+    ref = greedy(target, ids, max_new_tokens=20)
+    cont = ref[0, ids.shape[1]:].tolist()
+    eos = next(t for j, t in enumerate(cont) if j >= 5 and t not in cont[:j])
+    draft = oracle(tiny_draft(target, seed=3), ref[0].tolist())
+    ref_eos = greedy(target, ids, max_new_tokens=20, eos_token_id=eos)
+    out_eos = greedy(target, ids, max_new_tokens=20, eos_token_id=eos, assistant_model=draft, **tree(2, 5, 10))
+    assert torch.equal(out_eos, ref_eos) and out_eos[0, -1] == eos
+    for n in (1, 2, 7, 9):
+        out = greedy(target, ids, max_new_tokens=n, assistant_model=draft, **tree(2, 5, 10))
+        assert torch.equal(out, ref[:, : ids.shape[1] + n])
+        assert draft.last_stats.num_output_tokens >= n
+
+
+def test_logits_processors_and_scores():
+    """Processors see each node's own prefix (repetition penalty); scores/logits match plain generate's."""
+    target, draft = target_of("qwen3"), draft_of("qwen3")
+    ids = prompt(8, seed=4)
+    kwargs = dict(max_new_tokens=10, repetition_penalty=1.5, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True)
+    ref = greedy(target, ids, **kwargs)
+    ref_seq = greedy(target, ids, max_new_tokens=30, repetition_penalty=1.5)
+    out = greedy(target, ids, assistant_model=oracle(tiny_draft(target, seed=3), ref_seq[0].tolist()),
+                 **kwargs, **tree(3, 4, 8))
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.scores) == len(ref.scores) == 10 and len(out.logits) == 10
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    out2 = greedy(target, ids, max_new_tokens=10, repetition_penalty=1.5, assistant_model=draft, **tree(4, 3, 8))
+    assert torch.equal(out2, ref.sequences)
+
+
+def test_settings_from_draft_generation_config_and_auto():
+    target = target_of("mistral")
+    draft = tiny_draft(target, seed=5)
+    ids = prompt(10, seed=5)
+    ref = greedy(target, ids, max_new_tokens=16)
+    draft.generation_config.tree_top_k = 3
+    draft.generation_config.tree_depth = 4
+    draft.generation_config.tree_total_tokens = "auto"
+    oracle(draft, ref[0].tolist())
+    out = greedy(target, ids, max_new_tokens=16, assistant_model=draft)
+    assert torch.equal(out, ref)
+    assert td._TARGET_COSTS[target], "auto measured the target's forward cost"
+    assert draft.last_stats.mean_acceptance_length > 1.5
+    assert set(td._TARGET_COSTS[target][next(iter(td._TARGET_COSTS[target]))]) == set(td.AUTO_SIZES)
+
+
+def test_size_chooser():
+    chooser = td.TreeSizeChooser({1: 1.0, 8: 1.0, 16: 2.0, 64: 8.0})
+    assert chooser.target_seconds(4) == 1.0 and chooser.target_seconds(12) == 1.5
+    assert chooser.choose([0.9] * 7 + [0.01] * 60) == 7  # up to 8 inputs cost the same; more only pays if accepted
+    assert chooser.choose([0.9] * 40) > 7
+    chooser.update(predicted=100.0, accepted=0, draft_seconds=0.0)  # the draft is badly over-confident
+    assert chooser.choose([0.9] * 40) <= 7
+
+
+class Recorder:
+    def __init__(self):
+        self.chunks, self.ended = [], 0
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_streamer_gets_exactly_the_output():
+    target = target_of("llama")
+    ids = prompt(7, seed=8)
+    ref = greedy(target, ids, max_new_tokens=15)
+    streamer = Recorder()
+    draft = oracle(tiny_draft(target, seed=3), ref[0].tolist())
+    out = greedy(target, ids, max_new_tokens=15, assistant_model=draft, streamer=streamer, **tree(2, 4, 8))
+    assert torch.equal(out, ref)
+    assert streamer.chunks[0] == ids[0].tolist() and streamer.ended == 1
+    assert sum(streamer.chunks[1:], []) == ref[0, ids.shape[1]:].tolist()
+    assert max(len(c) for c in streamer.chunks[1:]) > 1  # several tokens per round really happened
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (tree(4, 4, 0), "tree_total_tokens"),
+        (tree(4, 0, 8), "tree_depth"),
+        (tree(0, 4, 8), "tree_top_k"),
+        (tree(4, 4, "big"), "tree_total_tokens"),
+        (tree(4, 4, 8) | {"input_ids": prompt(5).repeat(2, 1)}, "batch"),
+    ],
+)
+def test_bad_settings_fail_before_work(kwargs, message, monkeypatch):
+    target, draft = target_of("llama"), draft_of("llama")
+    calls = []
+    monkeypatch.setattr(draft, "forward", lambda *a, **k: calls.append(1))
+    inputs = kwargs.pop("input_ids", prompt(5))
+    with pytest.raises(ValueError, match=message):
+        target.generate(inputs, max_new_tokens=5, assistant_model=draft, **kwargs)
+    assert not calls and no_hooks_left(target)
+
+
+def test_attention_implementation_without_4d_masks_is_refused(monkeypatch):
+    target, draft = target_of("llama"), draft_of("llama")
+    monkeypatch.setattr(target.config, "_attn_implementation", "flash_attention_2", raising=False)
+    with pytest.raises(ValueError, match="attn_implementation"):
+        target.generate(prompt(5), max_new_tokens=5, assistant_model=draft, **tree(2, 2, 4))
+    assert no_hooks_left(target)
+
+
+def test_static_cache_is_refused():
+    target, draft = target_of("llama"), draft_of("llama")
+    with pytest.raises(ValueError):
+        target.generate(prompt(5), max_new_tokens=5, assistant_model=draft, cache_implementation="static",
+                        **tree(2, 2, 4))
+    assert no_hooks_left(target)
+
+
+def test_gather_cache_keeps_the_selected_entries():
+    target = target_of("gemma3")
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    cache.activate_past_recording()
+    with torch.no_grad():
+        target(prompt(20), cache=cache, use_cache=True)
+        cache.crop(0)
+        before = [layer.keys.clone() for layer in cache.layers]
+        target(prompt(6, seed=1), cache=cache, use_cache=True)
+        after = [layer.keys.clone() for layer in cache.layers]
+    td.gather_cache(cache, torch.tensor([0, 2, 5]), 6)
+    assert cache.get_seq_length() == 23
+    for layer, b, a in zip(cache.layers, before, after):
+        keep = a[..., [-6, -4, -1], :]
+        expected = torch.cat([b, keep], dim=-2)
+        if td._sliding_layer(layer):
+            expected = expected[..., -(layer.sliding_window - 1):, :]
+        torch.testing.assert_close(layer.keys, expected, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+PROMPT = torch.tensor([[5, 7, 9, 11]])
+SAMPLING = dict(do_sample=True, max_new_tokens=3, temperature=1.5, top_k=10, top_p=0.8)
+TREE = tree(3, 2, 6)
+ALPHA = 1e-3
+
+
+@functools.lru_cache(maxsize=None)
+def sampling_models():
+    target = tiny_target("llama", vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    target.generation_config.eos_token_id = None
+    draft = tiny_draft(target, 16, hidden_size=32, intermediate_size=48)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6.0)
+    return target, draft
+
+
+@functools.lru_cache(maxsize=None)
+def plain_samples(n: int = 20000) -> list:
+    target, _ = sampling_models()
+    torch.manual_seed(0)
+    return target.generate(PROMPT.repeat(n, 1), **SAMPLING)[:, PROMPT.shape[1]:].tolist()
+
+
+def tree_samples(n: int, seed: int) -> tuple[list, float]:
+    target, draft = sampling_models()
+    outs, accepted = [], 0
+    for i in range(n):
+        torch.manual_seed(seed + i)
+        out = target.generate(PROMPT, assistant_model=draft, **SAMPLING, **TREE)
+        outs.append(out[0, PROMPT.shape[1]:].tolist())
+        accepted += draft.last_stats.num_accepted_tokens
+    return outs, accepted / n
+
+
+def chi_square_p(a: list, b: list) -> float:
+    """p-value of a chi-square test of homogeneity (cells with expected count < 5 in ``a`` pooled)."""
+    ca, cb = collections.Counter(a), collections.Counter(b)
+    na, nb = len(a), len(b)
+    keys = sorted(set(ca) | set(cb))
+    big = [k for k in keys if (ca[k] + cb[k]) * na / (na + nb) >= 5]
+    cells = [(ca[k], cb[k]) for k in big]
+    rest = [k for k in keys if k not in big]
+    if rest:
+        cells.append((sum(ca[k] for k in rest), sum(cb[k] for k in rest)))
+    stat = sum(((x - (x + y) * na / (na + nb)) ** 2) / ((x + y) * na / (na + nb))
+               + ((y - (x + y) * nb / (na + nb)) ** 2) / ((x + y) * nb / (na + nb)) for x, y in cells)
+    df = len(cells) - 1
+    if df == 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def p_values(samples: list) -> dict:
+    plain = plain_samples()
+    views = {"token 2": slice(1, 2), "token 3": slice(2, 3), "tokens 2-3": slice(1, 3)}
+    return {k: chi_square_p([tuple(s[v]) for s in samples], [tuple(s[v]) for s in plain]) for k, v in views.items()}
+
+
+def test_sampling_keeps_target_distribution():
+    samples, accepted = tree_samples(500, seed=1000)
+    assert accepted > 0.4, "the test needs drafts that are often accepted"
+    p = p_values(samples)
+    assert min(p.values()) > ALPHA / 2, p
+
+
+def _broken_residual(probs, child_tokens):
+    """Bug: rejected children are not removed from the distribution the bonus token is sampled from."""
+    if child_tokens:
+        index = torch.tensor(child_tokens)
+        p_children = probs[index].tolist()
+        remaining = 1.0
+        for i, (p, u) in enumerate(zip(p_children, torch.rand(len(child_tokens)).tolist())):
+            if u * remaining < p:
+                return i, None
+            remaining -= p
+    return None, int(torch.multinomial(probs, 1))
+
+
+def test_negative_control_detects_broken_acceptance(monkeypatch):
+    monkeypatch.setattr(td, "sample_among_children", _broken_residual)
+    samples, _ = tree_samples(400, seed=5000)
+    p = p_values(samples)
+    assert min(p.values()) < ALPHA / 2, p
+
+
+# ------------------------------------------------------------------------------------------------ real model
+CHAT = [
+    "What is the capital of France?",
+    "Write a haiku about autumn.",
+    "Give me two tips for learning Python.",
+]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_identity(smollm2):
+    from hf_eagle3.bench import encode_prompt, load_draft
+
+    target, tokenizer = smollm2
+    draft, _, _ = load_draft(None, target)
+    for text in CHAT:
+        ids = encode_prompt(tokenizer, text)
+        ref = greedy(target, ids, max_new_tokens=24)
+        for shape in [(1, 1, 1), (1, 4, 4), (4, 4, 8), (8, 6, 32)]:
+            out = greedy(target, ids, max_new_tokens=24, assistant_model=draft, **tree(*shape))
+            assert torch.equal(out, ref), (text, shape)
