@@ -1,5 +1,5 @@
-"""Side-by-side benchmark of decoding strategies on the same prompts: plain ``generate``, prompt-lookup decoding and
-EAGLE-3 chain drafting over a sweep of draft lengths k, greedy and sampled.
+"""Side-by-side benchmark of decoding strategies on the same prompts: plain ``generate``, prompt-lookup decoding,
+EAGLE-3 chain drafting over a sweep of draft lengths k and EAGLE-3 dynamic trees, greedy and sampled.
 
 Also holds the loading helpers shared by ``hf-eagle3 demo``, ``hf-eagle3 bench`` and
 ``examples/offline_inference_eagle3.py`` (target, draft, prompts, chat formatting).
@@ -259,6 +259,28 @@ def eagle3_chain_strategies(ks, **options) -> list[Strategy]:
         kwargs = {"num_assistant_tokens": int(k), "num_assistant_tokens_schedule": "constant"}
         out.append(Strategy(name=f"eagle3-chain k={k}", family="eagle3_chain", k=int(k), uses_draft=True,
                             generate_kwargs=kwargs))
+    return out
+
+
+TREE_SETTINGS = ((4, 4, 8), (4, 5, 16), (8, 6, 32))  # (top_k, depth, total_tokens) of the eagle3_tree family
+
+
+@register_strategy("eagle3_tree")
+def eagle3_tree_strategies(ks, tree_settings=TREE_SETTINGS, **options) -> list[Strategy]:
+    """EAGLE-3 with EAGLE-2-style dynamic draft trees (see docs/trees.md), one strategy per tree shape.
+
+    The strategy's ``k`` is the number of drafted tree nodes verified per round (``total_tokens``).
+
+    Args:
+        ks: unused (the tree shapes are fixed by ``tree_settings``).
+        tree_settings: ``(top_k, depth, total_tokens)`` triples.
+        options: unused.
+    """
+    out = []
+    for top_k, depth, total in tree_settings:
+        kwargs = {"tree_top_k": top_k, "tree_depth": depth, "tree_total_tokens": total}
+        out.append(Strategy(name=f"eagle3-tree k={top_k} d={depth} n={total}", family="eagle3_tree", k=total,
+                            uses_draft=True, generate_kwargs=kwargs))
     return out
 
 

@@ -331,6 +331,12 @@ def _eagle3_generate(original):
                 f"EAGLE-3 decoding through `generate(assistant_model=draft)` handles one sequence at a time, got a "
                 f"batch of {batch}. Loop over the prompts (or call generate without the draft for batches)."
             )
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if kwargs.get("inputs_embeds") is not None and not isinstance(ids, torch.Tensor):
+            raise ValueError(
+                "EAGLE-3 decoding needs the prompt's token ids (the draft pairs each target feature with the next "
+                "token): pass `input_ids` too (the target still reads `inputs_embeds` for the prompt)."
+            )
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             raise ValueError("Pass either `assistant_model` (an EAGLE-3 draft) or `prompt_lookup_num_tokens`, not both.")
         from .tree_decoding import pop_tree_settings

@@ -194,7 +194,7 @@ def config_dict_to_native(cfg: dict) -> tuple[dict, str]:
     cfg = copy.deepcopy(cfg)
     layout = detect_layout(cfg)
     if layout == "native":
-        for k in ("transformers_version", "architectures", "model_type", "auto_map"):
+        for k in ("transformers_version", "model_type", "auto_map"):
             cfg.pop(k, None)
         return cfg, layout
     if layout == "speculators":

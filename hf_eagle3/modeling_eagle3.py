@@ -326,7 +326,13 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return self.fc(features)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        """Return (cos, sin) [B, 1, n, head_dim] for ``position_ids`` [B, n]."""
+        """Return (cos, sin) [B, 1, n, head_dim] for ``position_ids`` [B, n].
+
+        The angles are computed in float32 whatever the model's dtype: ``inv_freq`` is recomputed when a dtype cast
+        (``model.to(torch.bfloat16)``) has rounded it.
+        """
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         freqs = position_ids[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -391,6 +397,31 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     def _record_stats(self, stats) -> None:
         self.last_stats = stats
         self.cumulative_stats = stats if self.cumulative_stats is None else self.cumulative_stats + stats
+
+    # ----------------------------------------------------------------------------------------------------- saving
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
+        r"""
+        Save the draft (``config.json``, weights) and its ``generation_config.json``.
+
+        ``PreTrainedModel.save_pretrained`` writes the generation config only for models that can generate on their
+        own; a draft cannot, but its generation config carries the draft-length settings (``num_assistant_tokens``,
+        ``num_assistant_tokens_schedule``, ``assistant_confidence_threshold``) that :meth:`from_pretrained` reads back.
+
+        Args:
+            save_directory (`str` or `os.PathLike`): directory to write to (created if needed).
+            push_to_hub (`bool`, *optional*, defaults to `False`): also upload to the Hub (through ``push_to_hub``,
+                which saves into a temporary directory with this method, so both files are uploaded).
+            kwargs: passed to ``PreTrainedModel.save_pretrained`` (and to ``push_to_hub``: ``repo_id``,
+                ``commit_message``, ``private``, ``token``, ``create_pr``).
+        """
+        hub_keys = ("repo_id", "commit_message", "private", "token", "create_pr", "revision")
+        hub = {k: kwargs.pop(k) for k in hub_keys if k in kwargs}
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True) and self.generation_config is not None:
+            self.generation_config.save_pretrained(save_directory)
+        if push_to_hub:
+            repo_id = hub.pop("repo_id", os.path.basename(os.path.normpath(str(save_directory))))
+            self.push_to_hub(repo_id, **hub)
 
     # ----------------------------------------------------------------------------------------------------- loading
     @classmethod
@@ -471,13 +502,18 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if missing or unexpected:
             raise ValueError(
                 f"{source}: checkpoint does not match the EAGLE-3 draft layout. Missing: {missing or 'none'}. "
-                f"Unexpected: {unexpected or 'none'}. (Is this an EAGLE-3 draft, and is its config.json the one "
-                "that came with these weights?)"
+                f"Unexpected: {unexpected or 'none'}. Expected the published names (fc, midlayer.* or layers.0.*, "
+                "norm, lm_head, d2t, t2d and optionally embed_tokens): rename the unexpected tensors accordingly, "
+                "or check that config.json is the one that came with these weights."
             )
         bad = [f"{k}: checkpoint {tuple(state[k].shape)} vs config {tuple(own[k].shape)}"
                for k in state if tuple(state[k].shape) != tuple(own[k].shape)]
         if bad:
-            raise ValueError(f"{source}: weights of the wrong shape for its config: " + "; ".join(bad))
+            raise ValueError(
+                f"{source}: weights of the wrong shape for its config: " + "; ".join(bad) + ". Fix config.json "
+                "(hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim, "
+                "target_hidden_size, vocab_size, draft_vocab_size) to match the weights."
+            )
         full = dict(state)
         vd, v = self.config.draft_vocab_size, self.config.vocab_size
         if "d2t" not in full:

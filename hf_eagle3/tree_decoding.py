@@ -135,9 +135,12 @@ def gather_cache(cache, keep: torch.LongTensor, num_new: int) -> None:
         if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
             continue  # e.g. layers that share another layer's KV
         start = layer.keys.shape[-2] - num_new
+        end = start + keep.numel()
         index = keep.to(layer.keys.device) + start
-        layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, index)], dim=-2)
-        layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, index)], dim=-2)
+        # Move the kept entries to the front of the new block in place, then drop the rest (no copy of the prefix).
+        layer.keys[..., start:end, :] = layer.keys.index_select(-2, index)
+        layer.values[..., start:end, :] = layer.values.index_select(-2, index)
+        layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
         if _sliding_layer(layer):
             layer.cumulative_length += keep.numel() - num_new
             layer.crop(0)  # back to `sliding_window - 1` entries once past the window
@@ -382,10 +385,10 @@ class TreeSizeChooser:
 
     def choose(self, path_probs: list[float]) -> int:
         """Return the best N >= 1 given the candidates' path probabilities sorted in decreasing order."""
-        best, best_rate, expected = 1, -1.0, 1.0
+        best, best_rate, expected, c = 1, -1.0, 1.0, self.calibration
         draft = self.draft_seconds / self.rounds if self.rounds else 0.0
         for n, p in enumerate(path_probs[:AUTO_MAX_NODES], start=1):
-            expected += self.calibration * p
+            expected += c * p
             rate = expected / (draft + self.target_seconds(n + 1))
             if rate > best_rate:
                 best, best_rate = n, rate
@@ -464,7 +467,6 @@ class _TreeRun:
 
         self.draft = draft
         self.stats = Eagle3Stats()
-        self.chosen_sizes: list[int] = []
 
     def finish(self):
         """Publish the statistics on the draft (``last_stats`` / ``cumulative_stats``)."""
@@ -519,15 +521,18 @@ def eagle3_tree_decoding(
     if input_ids.shape[0] != 1:
         raise ValueError(f"EAGLE-3 tree decoding handles one sequence at a time, got a batch of {input_ids.shape[0]}.")
     if input_ids.shape[1] == 0:
-        raise ValueError("EAGLE-3 tree decoding needs `input_ids` (a prompt given only as `inputs_embeds` is not supported).")
+        raise ValueError("EAGLE-3 tree decoding needs `input_ids` (a prompt given only as `inputs_embeds` is not "
+                         "supported).")
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("EAGLE-3 tree decoding does not return attentions or hidden states; drop output_attentions / "
                          "output_hidden_states (scores and logits are supported).")
-    cache = model_kwargs.get("cache")
-    if cache is None:
-        raise RuntimeError("EAGLE-3 tree decoding requires a cache (use_cache=True).")
+    cache_key = "cache" if model_kwargs.get("cache") is not None else "past_key_values"  # renamed in 5.2x
+    cache = model_kwargs.get(cache_key)
+    if cache is None or not generation_config.use_cache:
+        raise ValueError("EAGLE-3 tree decoding requires a cache (use_cache=True).")
     check_tree_cache(cache)
-    cache.activate_past_recording()
+    if hasattr(cache, "activate_past_recording"):  # sliding layers keep what a rollback needs until the gather
+        cache.activate_past_recording()
 
     do_sample = bool(generation_config.do_sample)
     max_length = generation_config.max_length
@@ -550,7 +555,7 @@ def eagle3_tree_decoding(
     position_ids = model_kwargs.get("position_ids")
     position_offset = 0 if position_ids is None else int(position_ids[0, -1]) - (input_ids.shape[1] - 1)
 
-    def select(seq: torch.LongTensor, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def pick(seq: torch.LongTensor, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         scores = processors(seq, logits) if processors is not None else logits
         if do_sample:
             return int(torch.multinomial(scores.softmax(-1)[0], 1)), scores
@@ -564,7 +569,7 @@ def eagle3_tree_decoding(
     check_tree_cache(cache)  # layers are created lazily by the first forward
     cache.crop(0)  # sliding layers back to their window
     last = outputs.logits[:, -1].to(dtype=torch.float32, device=device)
-    token, processed = select(input_ids, last)
+    token, processed = pick(input_ids, last)
     new = torch.tensor([[token]], device=device)
     if want_scores:
         scores_out += (processed,)
@@ -587,8 +592,8 @@ def eagle3_tree_decoding(
             input_ids=tree.tokens.to(device)[None],
             position_ids=(root_position + tree.depths.to(device))[None],
             attention_mask=mask,
-            cache=cache,
             use_cache=True,
+            **{cache_key: cache},
         )
 
     chooser = None
@@ -616,24 +621,24 @@ def eagle3_tree_decoding(
         depth = min(settings["depth"], max_length - seq_len - 1)
         started = time.perf_counter()
         drafter.feed(*pending)
-        tree = None
+        predicted = 0.0
         if depth >= 1:
             top_k, total = settings["top_k"], settings["total_tokens"]
             if total != "auto":
                 top_k, depth = min(top_k, total), min(depth, total)  # deeper or wider nodes could never be kept
             candidates = drafter.expand(depth, top_k)
-            predicted = 0.0
             if chooser is not None:
                 key = Eagle3TreeDrafter.ranking_key(candidates[0], candidates[3]).sort(descending=True).values
                 probs = key.exp().tolist()
                 total = chooser.choose(probs)
                 predicted = sum(probs[:total])
-                run.chosen_sizes.append(total)
             tree = drafter.select(candidates, input_ids[0, -1:], total)
         else:
             zero = torch.zeros(1, dtype=torch.long, device=drafter.device)
             tree = DraftTree(input_ids[0, -1:].to(drafter.device), zero, zero,
                              torch.ones(1, 1, dtype=torch.bool, device=drafter.device), None, 0)
+        if chooser is not None:
+            _sync(drafter.device)
         draft_seconds = time.perf_counter() - started
 
         outputs = verify(tree)
@@ -706,7 +711,7 @@ def eagle3_tree_decoding(
     if streamer is not None:
         streamer.end()
     if generation_config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores_out, logits=logits_out, cache=cache)
+        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores_out, logits=logits_out, **{cache_key: cache})
     return input_ids
 
 

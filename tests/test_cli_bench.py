@@ -53,8 +53,10 @@ def test_run_bench_tiny(tmp_path):
     assert report["greedy_identical"] is True
     assert report["greedy_mismatches"] == []
     names = [r["strategy"] for r in report["results"]]
-    assert names == ["plain", "prompt-lookup", "eagle3-chain k=1", "eagle3-chain k=2"] * 2
-    assert [r["mode"] for r in report["results"]] == ["greedy"] * 4 + ["sampled"] * 4
+    trees = [f"eagle3-tree k={a} d={b} n={c}" for a, b, c in bench.TREE_SETTINGS]
+    assert names == ["plain", "prompt-lookup", "eagle3-chain k=1", "eagle3-chain k=2", *trees] * 2
+    per_mode = len(names) // 2
+    assert [r["mode"] for r in report["results"]] == ["greedy"] * per_mode + ["sampled"] * per_mode
     for r in report["results"]:
         for key in ("tokens_per_s", "ms_per_token", "speedup", "seconds", "new_tokens", "k", "family"):
             assert key in r
@@ -63,13 +65,16 @@ def test_run_bench_tiny(tmp_path):
             assert r["mean_acceptance_length"] >= 1.0
             assert len(r["acceptance_rate_per_position"]) == r["k"]
             assert r["stats"]["num_output_tokens"] == r["new_tokens"]
+        elif r["family"] == "eagle3_tree":
+            assert r["mean_acceptance_length"] >= 1.0
+            assert r["stats"]["num_output_tokens"] == r["new_tokens"]
         else:
             assert r["mean_acceptance_length"] is None
     assert report["results"][0]["speedup"] == pytest.approx(1.0)
     assert report["settings"]["ks"] == [1, 2] and report["settings"]["modes"] == ["greedy", "sampled"]
 
     saved = json.loads((out_dir / "bench.json").read_text())
-    assert saved["greedy_identical"] is True and len(saved["results"]) == 8
+    assert saved["greedy_identical"] is True and len(saved["results"]) == len(names)
     markdown = (out_dir / "bench.md").read_text()
     assert "| mode | strategy |" in markdown and "eagle3-chain k=2" in markdown and "**yes**" in markdown
     png = (out_dir / "bench.png").read_bytes()

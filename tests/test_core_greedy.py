@@ -47,14 +47,6 @@ def greedy(model, ids, **kwargs) -> torch.LongTensor:
     return model.generate(ids, do_sample=False, **kwargs)
 
 
-def first_new_index(continuation: list[int], start: int) -> int:
-    """The first index >= ``start`` whose token does not occur earlier in ``continuation``."""
-    for j in range(start, len(continuation)):
-        if continuation[j] not in continuation[:j]:
-            return j
-    raise AssertionError("no fresh token in the continuation: pick another prompt")
-
-
 # ------------------------------------------------------------------------------------------ random drafts
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("draft_vocab", [None, SMALL_VOCAB], ids=["full_vocab", "small_vocab"])
@@ -93,6 +85,7 @@ def oracle_select(target, draft, wrong_positions=(), record=None):
     oracle = copy.deepcopy(target)
     target_ids = (torch.arange(draft.config.draft_vocab_size) + draft.d2t).tolist()
     index = {t: i for i, t in enumerate(target_ids)}
+
     def _select(self, seq, draft_scores):
         if record is not None:
             record.append((seq.clone(), draft_scores.detach().clone()))
@@ -109,11 +102,18 @@ def oracle_select(target, draft, wrong_positions=(), record=None):
     return _select
 
 
-def simulate_stats(prompt_len: int, max_new: int, k: int, wrong_positions=(), eos_index: int | None = None):
-    """The statistics an oracle draft must produce (wrong exactly at ``wrong_positions``), by direct simulation."""
+def simulate_stats(prompt_len: int, max_new: int, k: int, wrong_positions=(), eos_index: int | None = None,
+                   details: dict | None = None):
+    """The statistics an oracle draft must produce (wrong exactly at ``wrong_positions``), by direct simulation.
+
+    ``eos_index`` is the index (among the new tokens) of the first EOS; ``details["eos_drafted"]`` tells whether
+    that EOS was an accepted DRAFTED token (rather than the target's bonus token of its round).
+    """
     stats = Eagle3Stats()
     stats.record(0, 0)  # prefill
     cur, end = prompt_len + 1, prompt_len + max_new
+    if details is not None:
+        details["eos_drafted"] = False
     if eos_index is not None and eos_index == 0:
         return stats
     while cur < end:
@@ -122,15 +122,16 @@ def simulate_stats(prompt_len: int, max_new: int, k: int, wrong_positions=(), eo
         while accepted < drafted and cur + accepted not in wrong_positions:
             accepted += 1
         if eos_index is not None and prompt_len + eos_index < cur + accepted + 1:
-            accepted = prompt_len + eos_index - cur
-            stats.record(drafted, accepted)
+            if details is not None:
+                details["eos_drafted"] = prompt_len + eos_index < cur + accepted
+            stats.record(drafted, prompt_len + eos_index - cur)
             break
         stats.record(drafted, accepted)
         cur += accepted + 1
     return stats
 
 
-def full_vocab_draft_covering(target, tokens, draft_vocab: int, seed: int = 3):
+def draft_covering(target, tokens, draft_vocab: int, seed: int = 3):
     """A random small-vocabulary draft whose vocabulary contains ``tokens`` (so an oracle never misses)."""
     v = target.config.vocab_size
     draft = tiny_draft(target, draft_vocab, seed=seed)
@@ -151,7 +152,7 @@ def test_oracle_draft_is_accepted_with_exact_stats(arch, k, monkeypatch):
     ids = prompt(length, seed=11)
     ref = greedy(target, ids, max_new_tokens=max_new)
     cont = ref[0, length:].tolist()
-    draft = full_vocab_draft_covering(target, cont, SMALL_VOCAB)
+    draft = draft_covering(target, cont, SMALL_VOCAB)
 
     # 1. A perfect oracle: every drafted token is accepted; the last round is cut short by max_new_tokens.
     monkeypatch.setattr(Eagle3CandidateGenerator, "_select", oracle_select(target, draft))
@@ -174,8 +175,14 @@ def test_oracle_draft_is_accepted_with_exact_stats(arch, k, monkeypatch):
     assert torch.equal(out, ref)
     assert draft.last_stats == simulate_stats(length, max_new, k, wrong)
 
-    # 3. EOS inside a draft round (not at its end): generation stops at the EOS like the target alone.
-    j = first_new_index(cont, 8)
+    # 3. EOS inside a draft round (an accepted drafted token, not the round's bonus token): generation stops at the
+    # EOS like the target alone, and the drafts after it are dropped.
+    def eos_is_drafted(j):
+        details = {}
+        simulate_stats(length, max_new, k, wrong, eos_index=j, details=details)
+        return details["eos_drafted"]
+
+    j = next(j for j in range(8, max_new) if cont[j] not in cont[:j] and eos_is_drafted(j))
     ref_eos = greedy(target, ids, max_new_tokens=max_new, eos_token_id=cont[j])
     out_eos = greedy(target, ids, max_new_tokens=max_new, eos_token_id=cont[j], assistant_model=draft,
                      num_assistant_tokens=k)
@@ -189,8 +196,11 @@ def test_simulated_stats_cover_the_cases():
     """The simulator used above really produces mid-round cut-offs and EOS truncation (guards the test itself)."""
     s = simulate_stats(7, 23, 4)  # rounds of 5 from index 1: 1 + 5 * 4 = 21, then a round capped to k=1
     assert s.drafted_per_position == [5, 4, 4, 4] and s.num_output_tokens == 23
-    s = simulate_stats(7, 23, 4, eos_index=8)  # EOS is the 3rd token of the 2nd round
-    assert s.num_output_tokens == 9 and s.accepted_per_position == [2, 2, 1, 1]
+    details = {}
+    s = simulate_stats(7, 23, 4, eos_index=8, details=details)  # EOS is the 3rd token of the 2nd round
+    assert s.num_output_tokens == 9 and s.accepted_per_position == [2, 2, 1, 1] and details["eos_drafted"]
+    simulate_stats(7, 23, 4, eos_index=10, details=details)  # the 2nd round's bonus token
+    assert not details["eos_drafted"]
 
 
 # -------------------------------------------------------------------------------------- cache consistency
@@ -225,7 +235,7 @@ def test_incremental_draft_matches_scratch_forward(arch, draft_vocab, monkeypatc
     if draft_vocab is None:
         draft = tiny_draft(target, seed=5)
     else:
-        draft = full_vocab_draft_covering(target, ref[0, length:].tolist(), draft_vocab, seed=5)
+        draft = draft_covering(target, ref[0, length:].tolist(), draft_vocab, seed=5)
     record = []  # ("round", cur_len) markers from get_candidates, (seq, raw draft scores) pairs from _select
     wrong = {length + 2, length + 9}
     select = oracle_select(target, draft, wrong, record=record)
@@ -272,7 +282,6 @@ CHAT_PROMPTS = [
     "Give me a tip for learning Python.",
     "Why is the sky blue?",
     "Name a famous painting by Leonardo da Vinci.",
-    "Summarise the plot of Cinderella in two sentences.",
 ]
 
 

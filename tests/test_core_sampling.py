@@ -189,3 +189,19 @@ def test_candidate_logits_are_the_processed_draft_distribution(monkeypatch):
         assert (finite.sum(-1) <= SAMPLING["top_k"]).all(), "top_k must be applied to the candidate logits"
         drafted = seq[0, n:]
         assert finite[torch.arange(k), drafted].all(), "each draft must have been possible under its distribution"
+
+
+def test_d2t_processor_maps_scores_and_tokens():
+    from hf_eagle3 import Eagle3D2TLogitsProcessor
+
+    d2t = torch.tensor([0, 1, 1, 4])  # draft ids 0..3 -> target ids 0, 2, 3, 7
+    processor = Eagle3D2TLogitsProcessor(d2t, 8)
+    scores = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    out = processor(None, scores)
+    assert out.shape == (1, 8)
+    assert out[0, [0, 2, 3, 7]].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert torch.isinf(out[0, [1, 4, 5, 6]]).all() and (out[0, [1, 4, 5, 6]] < 0).all()
+    assert processor.map_tokens(torch.tensor([3, 0, 1])).tolist() == [7, 0, 2]
+    assert int(processor.map_tokens(scores.argmax(-1))) == int(out.argmax(-1))  # greedy: map the argmax directly
+    identity = Eagle3D2TLogitsProcessor(torch.zeros(4, dtype=torch.long), 4)
+    assert identity(None, scores) is scores and identity.map_tokens(torch.tensor([2])).tolist() == [2]

@@ -12,7 +12,9 @@ SmolLM2-135M-Instruct runs under ``slow``.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
+import inspect
 
 import pytest
 import torch
@@ -105,15 +107,42 @@ def test_oracle_draft_is_accepted_and_caches_stay_exact(arch, shape):
     target = target_of(arch)
     ids = prompt(21, seed=7)
     ref = greedy(target, ids, max_new_tokens=30)
-    draft = oracle(tiny_draft(target, seed=3), ref[0].tolist(), second_every=1 if shape[0] == 1 else 2)
+    draft = oracle(tiny_draft(target, seed=3), ref[0].tolist(), second_every=10**9 if shape[0] == 1 else 2)
     out = greedy(target, ids, max_new_tokens=30, assistant_model=draft, **tree(*shape))
     assert torch.equal(out, ref)
     stats = draft.last_stats
-    if shape[0] == 1:  # a chain whose guesses are always second best: nothing accepted
-        assert stats.mean_acceptance_length == 1.0
-    else:
-        assert stats.mean_acceptance_length > shape[1], stats.to_dict()
-        assert stats.accepted_per_position[shape[1] - 1] > 0
+    assert stats.mean_acceptance_length > 0.7 * (shape[1] + 1), stats.to_dict()
+    assert stats.accepted_per_position[shape[1] - 1] > 0
+
+
+def test_tree_expansion_matches_sequential_draft_steps():
+    """Each candidate's cumulative score equals that of the draft run step by step along its path (own cache copy,
+    causal attention): the tree mask, positions and parent hidden states of the batched expansion are right."""
+    target = target_of("llama")
+    draft = tiny_draft(target, 48, seed=4)
+    draft.bind_target(target)
+    drafter = td.Eagle3TreeDrafter(draft)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        drafter.feed(torch.randn(1, 7, 3 * 64), prompt(7)[0])
+        real = drafter.fed
+        nodes = {0: (drafter._hidden, torch.log_softmax(drafter._logits[0].float(), -1), copy.deepcopy(drafter.cache))}
+        scores, ids, parents, depths, levels = drafter.expand(3, 3)
+        assert levels == 3 and scores.shape[0] == 3 + 2 * 9
+        assert drafter.cache.get_seq_length() == real + 2 * 3  # tree entries, dropped at the next feed
+        total = {0: 0.0}
+        for c in range(scores.shape[0]):
+            parent = int(parents[c])
+            hidden, logp, cache = nodes[parent]
+            total[c + 1] = total[parent] + float(logp[ids[c]])
+            assert abs(float(scores[c]) - total[c + 1]) < 1e-4, (c, float(scores[c]), total[c + 1])
+            if int(depths[c]) < levels:
+                cache = copy.deepcopy(cache)
+                out = draft(input_ids=drafter.d2t.map_tokens(ids[c : c + 1])[None], hidden_states=hidden,
+                            position_ids=torch.tensor([[real - 1 + int(depths[c])]]), cache=cache)
+                nodes[c + 1] = (out.hidden_states[:, -1:], torch.log_softmax(out.logits[0, -1].float(), -1), cache)
+        drafter.feed(torch.randn(1, 2, 3 * 64), prompt(2)[0])
+        assert drafter.cache.get_seq_length() == real + 2
 
 
 def test_eos_and_max_new_tokens_inside_a_round():
@@ -129,7 +158,24 @@ def test_eos_and_max_new_tokens_inside_a_round():
     for n in (1, 2, 7, 9):
         out = greedy(target, ids, max_new_tokens=n, assistant_model=draft, **tree(2, 5, 10))
         assert torch.equal(out, ref[:, : ids.shape[1] + n])
-        assert draft.last_stats.num_output_tokens >= n
+        assert draft.last_stats.num_output_tokens == n
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_left_padded_prompt(arch):
+    """A 2D attention mask with zeros (left padding, batch of one) stays masked in the tree forwards."""
+    target = target_of(arch)
+    ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt(18, seed=9)], dim=-1)
+    mask = torch.ones_like(ids)
+    mask[:, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, return_dict_in_generate=True, output_logits=True)
+    ref = greedy(target, ids, **kwargs)
+    draft = oracle(tiny_draft(target, seed=3), ref.sequences[0].tolist())
+    out = greedy(target, ids, assistant_model=draft, **kwargs, **tree(2, 4, 8))
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):  # the logits too: a mask that let pads through would move them
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert draft.last_stats.mean_acceptance_length > 2
 
 
 def test_logits_processors_and_scores():
@@ -169,10 +215,10 @@ def test_settings_from_draft_generation_config_and_auto():
 
 
 def test_size_chooser():
-    chooser = td.TreeSizeChooser({1: 1.0, 8: 1.0, 16: 2.0, 64: 8.0})
-    assert chooser.target_seconds(4) == 1.0 and chooser.target_seconds(12) == 1.5
+    chooser = td.TreeSizeChooser({1: 1.0, 8: 1.0, 16: 1.2, 64: 3.0})
+    assert chooser.target_seconds(4) == 1.0 and chooser.target_seconds(12) == pytest.approx(1.1)
     assert chooser.choose([0.9] * 7 + [0.01] * 60) == 7  # up to 8 inputs cost the same; more only pays if accepted
-    assert chooser.choose([0.9] * 40) > 7
+    assert chooser.choose([0.95] * 40) > 7
     chooser.update(predicted=100.0, accepted=0, draft_seconds=0.0)  # the draft is badly over-confident
     assert chooser.choose([0.9] * 40) <= 7
 
@@ -243,11 +289,12 @@ def test_gather_cache_keeps_the_selected_entries():
 
     cache = DynamicCache(config=target.config)
     cache.activate_past_recording()
+    key = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"  # 5.2x rename
     with torch.no_grad():
-        target(prompt(20), cache=cache, use_cache=True)
+        target(prompt(20), use_cache=True, **{key: cache})
         cache.crop(0)
         before = [layer.keys.clone() for layer in cache.layers]
-        target(prompt(6, seed=1), cache=cache, use_cache=True)
+        target(prompt(6, seed=1), use_cache=True, **{key: cache})
         after = [layer.keys.clone() for layer in cache.layers]
     td.gather_cache(cache, torch.tensor([0, 2, 5]), 6)
     assert cache.get_seq_length() == 23
@@ -261,8 +308,8 @@ def test_gather_cache_keeps_the_selected_entries():
 
 # ------------------------------------------------------------------------------------------------ sampling
 PROMPT = torch.tensor([[5, 7, 9, 11]])
-SAMPLING = dict(do_sample=True, max_new_tokens=3, temperature=1.5, top_k=10, top_p=0.8)
-TREE = tree(3, 2, 6)
+SAMPLING = dict(do_sample=True, max_new_tokens=4, temperature=1.5, top_k=10, top_p=0.8)
+TREE = tree(10, 2, 20)  # wide: its children carry much of the target's mass, so a broken rule shows
 ALPHA = 1e-3
 
 
@@ -341,22 +388,18 @@ def _broken_residual(probs, child_tokens):
 
 def test_negative_control_detects_broken_acceptance(monkeypatch):
     monkeypatch.setattr(td, "sample_among_children", _broken_residual)
-    samples, _ = tree_samples(400, seed=5000)
+    samples, _ = tree_samples(500, seed=5000)
     p = p_values(samples)
     assert min(p.values()) < ALPHA / 2, p
 
 
 # ------------------------------------------------------------------------------------------------ real model
-CHAT = [
-    "What is the capital of France?",
-    "Write a haiku about autumn.",
-    "Give me two tips for learning Python.",
-]
+CHAT = ["Write a haiku about autumn.", "Give me two tips for learning Python."]
 
 
 @pytest.mark.slow
 def test_smollm2_greedy_identity(smollm2):
-    from hf_eagle3.bench import encode_prompt, load_draft
+    from hf_eagle3.bench import encode_prompt, load_draft, random_draft_for
 
     target, tokenizer = smollm2
     draft, _, _ = load_draft(None, target)
@@ -366,3 +409,8 @@ def test_smollm2_greedy_identity(smollm2):
         for shape in [(1, 1, 1), (1, 4, 4), (4, 4, 8), (8, 6, 32)]:
             out = greedy(target, ids, max_new_tokens=24, assistant_model=draft, **tree(*shape))
             assert torch.equal(out, ref), (text, shape)
+        ref_long = greedy(target, ids, max_new_tokens=40)
+        oracle_draft = oracle(random_draft_for(target, seed=1), ref_long[0].tolist())
+        out = greedy(target, ids, max_new_tokens=24, assistant_model=oracle_draft, **tree(3, 5, 12))
+        assert torch.equal(out, ref), text
+        assert oracle_draft.last_stats.mean_acceptance_length > 2.5
