@@ -18,6 +18,8 @@ from transformers.generation import utils as _gen_utils
 CandidateGenerator = _cg.CandidateGenerator
 HOOK_VERSION = 1
 DRAFT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+# Settings a draft checkpoint carries in its generation_config.json (chain and tree drafting).
+SAVED_DRAFT_SETTINGS = DRAFT_SETTINGS + ("tree_total_tokens", "tree_depth", "tree_top_k")
 
 
 def is_eagle3_draft(model) -> bool:

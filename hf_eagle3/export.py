@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from .candidate_generator import SAVED_DRAFT_SETTINGS
 from .configuration_eagle3 import native_to_flat_config, native_to_speculators_config
 from .modeling_eagle3 import Eagle3DraftModel
 
@@ -107,7 +108,7 @@ def _dtype_name(state: dict[str, torch.Tensor]) -> str:
 def _write_generation_config(draft, out_dir: Path, num_assistant_tokens: int | None = None) -> None:
     """Write the draft-length settings that ``Eagle3DraftModel.from_pretrained`` reads back."""
     gen = {}
-    for key in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"):
+    for key in SAVED_DRAFT_SETTINGS:
         value = getattr(draft.generation_config, key, None)
         if value is not None:
             gen[key] = value

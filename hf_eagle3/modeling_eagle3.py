@@ -18,7 +18,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
-from .candidate_generator import install_generate_hook
+from .candidate_generator import SAVED_DRAFT_SETTINGS, install_generate_hook
 from .configuration_eagle3 import Eagle3Config, config_dict_to_native
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -485,7 +485,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         gen_file = _resolve(path, "generation_config.json", hub, optional=True)
         if gen_file is not None:
             gen = json.loads(open(gen_file).read())
-            for key in ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold"):
+            for key in SAVED_DRAFT_SETTINGS:
                 if gen.get(key) is not None:
                     setattr(model.generation_config, key, gen[key])
         model.name_or_path = path
