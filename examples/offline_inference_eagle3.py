@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", default=None, help="target Hub id or directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--draft", default=None, help="EAGLE-3 draft Hub id or directory")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--prompt_stride", type=int, default=1,
+                        help="use every n-th prompt of the dataset (e.g. 2: half of each MT-bench category)")
+    parser.add_argument("--json_out", default=None, help="also write the statistics to this JSON file")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="weight dtype (default float32)")
     parser.add_argument("--device", default=None, help="cpu (default), cuda, ...")
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hf_eagle3.bench import encode_prompt, load_draft, load_prompts, load_target
 
-    prompts = load_prompts(args.dataset, args.num_prompts)
+    prompts = load_prompts(args.dataset, None)[:: args.prompt_stride][: args.num_prompts]
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     draft, draft_name, _ = load_draft(args.draft, target)
     k = args.num_spec_tokens or draft.generation_config.num_assistant_tokens
@@ -105,6 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         print("-" * 50)
         print(f"prompt: {prompt}\ngenerated text: {text}")
     print(draft.cumulative_stats.report())
+    if args.json_out:
+        import json
+
+        stats = draft.cumulative_stats.to_dict()
+        stats.update(prompts=len(prompts), num_spec_tokens=k, max_new_tokens=args.max_new_tokens,
+                     temperature=args.temperature, draft=draft_name, output_tokens_per_s=output_tokens / elapsed)
+        with open(args.json_out, "w") as f:
+            json.dump(stats, f, indent=2)
     return 0
 
 

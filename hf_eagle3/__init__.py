@@ -2,7 +2,8 @@
 
 Importing the package registers :class:`Eagle3Config` / :class:`Eagle3DraftModel` with ``AutoConfig`` /
 ``AutoModel`` and hooks ``generate`` so that ``target.generate(ids, assistant_model=draft)`` runs EAGLE-3 decoding
-whenever ``draft`` is an EAGLE-3 draft.
+whenever ``draft`` is an EAGLE-3 draft (with dynamic draft trees when ``tree_top_k`` / ``tree_depth`` /
+``tree_total_tokens`` are given, see :mod:`hf_eagle3.tree_decoding`).
 """
 
 from transformers import AutoConfig, AutoModel
@@ -12,6 +13,7 @@ from .configuration_eagle3 import Eagle3Config
 from .feature_capture import Eagle3FeatureCapture, find_decoder_layers
 from .logits_process import Eagle3D2TLogitsProcessor
 from .modeling_eagle3 import Eagle3DraftModel, Eagle3KVCache
+from .tree_decoding import DraftTree, Eagle3TreeDrafter
 
 __version__ = "0.1.0"
 
@@ -20,6 +22,7 @@ AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)
 install_generate_hook()
 
 __all__ = [
+    "DraftTree",
     "Eagle3CandidateGenerator",
     "Eagle3Config",
     "Eagle3D2TLogitsProcessor",
@@ -27,6 +30,7 @@ __all__ = [
     "Eagle3FeatureCapture",
     "Eagle3KVCache",
     "Eagle3Stats",
+    "Eagle3TreeDrafter",
     "find_decoder_layers",
     "install_generate_hook",
     "is_eagle3_draft",

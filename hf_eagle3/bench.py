@@ -262,22 +262,22 @@ def eagle3_chain_strategies(ks, **options) -> list[Strategy]:
     return out
 
 
-TREE_SETTINGS = ((4, 4, 8), (4, 5, 16), (8, 6, 32))  # (top_k, depth, total_tokens) of the eagle3_tree family
+TREE_SHAPES = ((4, 4, 8), (4, 5, 16), (8, 6, 32))  # (top_k, depth, total_tokens) of the eagle3_tree family
 
 
 @register_strategy("eagle3_tree")
-def eagle3_tree_strategies(ks, tree_settings=TREE_SETTINGS, **options) -> list[Strategy]:
+def eagle3_tree_strategies(ks, tree_shapes=TREE_SHAPES, **options) -> list[Strategy]:
     """EAGLE-3 with EAGLE-2-style dynamic draft trees (see docs/trees.md), one strategy per tree shape.
 
     The strategy's ``k`` is the number of drafted tree nodes verified per round (``total_tokens``).
 
     Args:
-        ks: unused (the tree shapes are fixed by ``tree_settings``).
-        tree_settings: ``(top_k, depth, total_tokens)`` triples.
+        ks: unused (the tree shapes are fixed by ``tree_shapes``).
+        tree_shapes: ``(top_k, depth, total_tokens)`` triples.
         options: unused.
     """
     out = []
-    for top_k, depth, total in tree_settings:
+    for top_k, depth, total in tree_shapes:
         kwargs = {"tree_top_k": top_k, "tree_depth": depth, "tree_total_tokens": total}
         out.append(Strategy(name=f"eagle3-tree k={top_k} d={depth} n={total}", family="eagle3_tree", k=total,
                             uses_draft=True, generate_kwargs=kwargs))
@@ -609,7 +609,7 @@ def bench_command(args) -> int:
     temperature = args.temperature if args.temperature is not None else defaults["temperature"]
     families = [f.strip() for f in args.strategies.split(",")] if args.strategies else None
 
-    prompts = load_prompts(args.dataset, num_prompts)
+    prompts = load_prompts(args.dataset, None)[:: max(1, getattr(args, "prompt_stride", 1))][:num_prompts]
     if args.dataset is None:
         print(f"No --dataset given: using {len(prompts)} built-in prompts.", file=sys.stderr)
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)

@@ -15,15 +15,22 @@ from transformers import GenerationConfig
 from transformers.generation import candidate_generator as _cg
 from transformers.generation import utils as _gen_utils
 
+from .tree_decoding import TREE_SETTINGS, install_tree_hook, pop_tree_settings
+
 CandidateGenerator = _cg.CandidateGenerator
 HOOK_VERSION = 1
 DRAFT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 # Settings a draft checkpoint carries in its generation_config.json (chain and tree drafting).
-SAVED_DRAFT_SETTINGS = DRAFT_SETTINGS + ("tree_total_tokens", "tree_depth", "tree_top_k")
+SAVED_DRAFT_SETTINGS = DRAFT_SETTINGS + TREE_SETTINGS
 
 
 def is_eagle3_draft(model) -> bool:
-    """Whether ``model`` is an EAGLE-3 draft (from this package or a remote-code copy of it)."""
+    """
+    Whether ``model`` is an EAGLE-3 draft (from this package or a remote-code copy of it).
+
+    Args:
+        model (`object`): any object, typically the ``assistant_model`` passed to ``generate``.
+    """
     return bool(getattr(type(model), "_is_eagle3_draft", False))
 
 
@@ -71,7 +78,13 @@ class Eagle3Stats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     def record(self, drafted: int, accepted: int) -> None:
-        """Add one drafting round that proposed ``drafted`` tokens, of which the first ``accepted`` were kept."""
+        """
+        Add one drafting round (one target forward).
+
+        Args:
+            drafted (`int`): tokens the round proposed (0 for the prefill, which has no draft).
+            accepted (`int`): how many of them, from the first, the target accepted.
+        """
         self.num_target_forwards += 1
         self.num_output_tokens += accepted + 1
         if drafted == 0:
@@ -87,6 +100,7 @@ class Eagle3Stats:
             self.accepted_per_position[i] += 1
 
     def __add__(self, other: "Eagle3Stats") -> "Eagle3Stats":
+        """The statistics of both, summed (per-position lists padded with zeros to the longer one)."""
         n = max(len(self.drafted_per_position), len(other.drafted_per_position))
 
         def pad(x):
@@ -325,7 +339,7 @@ def _eagle3_generate(original):
         draft = kwargs.get("assistant_model")
         if draft is None or not is_eagle3_draft(draft) or _ACTIVE.get() is not None:
             return original(self, *args, **kwargs)
-        from .feature_capture import Eagle3FeatureCapture
+        from .feature_capture import Eagle3FeatureCapture, find_decoder_layers
 
         batch = _batch_size(args, kwargs)
         if batch is not None and batch != 1:
@@ -341,16 +355,10 @@ def _eagle3_generate(original):
             )
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             raise ValueError("Pass either `assistant_model` (an EAGLE-3 draft) or `prompt_lookup_num_tokens`, not both.")
-        from .tree_decoding import pop_tree_settings
-
         tree = pop_tree_settings(self, draft, kwargs)  # removes the tree_* kwargs; validates before any work
         draft.bind_target(self)
-        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        from .feature_capture import find_decoder_layers
-
         layers = find_decoder_layers(self, draft.config.target_layers_path)
         layer_ids = draft.config.resolve_feature_layer_ids(len(layers))
-        del text
         capture = Eagle3FeatureCapture(self, layer_ids, draft.config.target_layers_path)
         call = _Eagle3Call(draft=draft, capture=capture, settings=_user_draft_settings(kwargs), tree=tree)
         token = _ACTIVE.set(call)
@@ -402,8 +410,10 @@ def _eagle3_get_candidate_generator(original):
 def install_generate_hook() -> None:
     """Make ``generate(assistant_model=<EAGLE-3 draft>)`` use :class:`Eagle3CandidateGenerator` (idempotent).
 
-    Every other call of ``generate`` is left exactly as it was. Raises ``RuntimeError`` on a Transformers version
-    whose generation internals this hook does not know.
+    Also installs the tree hook (:func:`~hf_eagle3.tree_decoding.install_tree_hook`), which runs
+    :func:`~hf_eagle3.tree_decoding.eagle3_tree_decoding` instead when ``tree_*`` settings are given. Every other call
+    of ``generate`` is left exactly as it was. Raises ``RuntimeError`` on a Transformers version whose generation
+    internals this hook does not know.
     """
     mixin = _gen_utils.GenerationMixin
     needed = ("generate", "_get_candidate_generator", "_assisted_decoding")
@@ -427,6 +437,4 @@ def install_generate_hook() -> None:
         mixin.generate = _eagle3_generate(mixin.generate)
     if getattr(mixin._get_candidate_generator, "_hf_eagle3_hook", None) is None:
         mixin._get_candidate_generator = _eagle3_get_candidate_generator(mixin._get_candidate_generator)
-    from .tree_decoding import install_tree_hook
-
     install_tree_hook()

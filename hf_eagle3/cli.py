@@ -74,10 +74,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """
     p = subparsers.add_parser(
         "bench",
-        help="plain generate vs prompt lookup vs EAGLE-3 (k sweep), greedy and sampled, on the same prompts",
-        description="Time plain generate, prompt-lookup decoding and EAGLE-3 chain drafting for each k on the same "
-        "prompts, greedy and sampled; print a markdown table and write bench.json, bench.md and bench.png. Checks "
-        "that greedy outputs are identical across strategies (exit code 1 if not).",
+        help="plain generate vs prompt lookup vs EAGLE-3 (k sweep, trees), greedy and sampled, on the same prompts",
+        description="Time plain generate, prompt-lookup decoding, EAGLE-3 chain drafting for each k and EAGLE-3 "
+        "dynamic trees on the same prompts, greedy and sampled; print a markdown table and write bench.json, bench.md "
+        "and bench.png. Checks that greedy outputs are identical across strategies (exit code 1 if not).",
     )
     p.add_argument("--target", default=None, help="target Hub id or directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None, help="EAGLE-3 draft (default: as for demo)")
@@ -88,11 +88,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ks", default=None, help="comma-separated draft lengths for EAGLE-3 (default 1,3,5,7; 1,3,5 with --quick)")
     p.add_argument("--temperature", type=float, default=None,
                    help="temperature of the sampled runs (default 0.7; 0 with --quick); 0 runs greedy only")
+    p.add_argument("--prompt-stride", type=int, default=1,
+                   help="use every n-th prompt of the dataset (10 on MT-bench: one prompt per category)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs (seed + prompt index)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=5, help="prompt_lookup_num_tokens (default 5)")
     p.add_argument("--strategies", default=None,
                    help="comma-separated strategy families (default: all registered: plain, prompt_lookup, "
-                        "eagle3_chain, ...)")
+                        "eagle3_chain, eagle3_tree)")
     p.add_argument("--quick", action="store_true",
                    help="CI-sized run: 20 prompts, 16 new tokens, k in 1,3,5, greedy only (explicit options still win)")
     p.add_argument("--out-dir", default="bench_out", help="where to write bench.json/.md/.png (default bench_out)")

@@ -112,10 +112,17 @@ class Eagle3Config(PreTrainedConfig):
             raise ValueError(f"feature_layer_ids must list 3 layers (low, mid, high), got {self.feature_layer_ids}")
 
     def resolve_feature_layer_ids(self, num_target_layers: int) -> list[int]:
-        """Return the three capture indices for a target with ``num_target_layers`` decoder layers.
+        """
+        Return the three capture indices for a target with ``num_target_layers`` decoder layers.
 
-        Index i means the INPUT of decoder layer i (``output_hidden_states[i]``). Raises ``ValueError`` when an
-        index is outside ``[0, num_target_layers)``.
+        Index i means the INPUT of decoder layer i (``output_hidden_states[i]``); ``feature_layer_ids=None`` gives
+        the reference default ``[2, N // 2, N - 3]``.
+
+        Args:
+            num_target_layers (`int`): number of decoder layers N of the target.
+
+        Raises:
+            ValueError: when an index is outside ``[0, num_target_layers)``.
         """
         n = num_target_layers
         ids = self.feature_layer_ids
@@ -166,7 +173,15 @@ _LAYER_FIELDS = (
 
 
 def detect_layout(cfg: dict) -> str:
-    """Name the checkpoint layout of a draft's ``config.json``: ``"native"``, ``"speculators"`` or ``"flat"``."""
+    """
+    Name the checkpoint layout of a draft's ``config.json``: ``"native"``, ``"speculators"`` or ``"flat"``.
+
+    Args:
+        cfg (`dict`): the parsed ``config.json``.
+
+    Raises:
+        ValueError: when ``cfg`` is not the config of an EAGLE-3 draft in any known layout.
+    """
     if cfg.get("model_type") == Eagle3Config.model_type:
         return "native"
     if cfg.get("speculators_model_type") == "eagle3" or "transformer_layer_config" in cfg:
@@ -188,8 +203,12 @@ def config_dict_to_native(cfg: dict) -> tuple[dict, str]:
     ``eagle_aux_hidden_state_layer_ids`` already use it; SGLang/SpecForge ``eagle_config.eagle_aux_hidden_state_layer_ids``
     name the OUTPUT of a layer, so 1 is added.
 
+    Args:
+        cfg (`dict`): the parsed ``config.json`` (not modified).
+
     Returns:
-        ``(kwargs, layout)``.
+        ``(kwargs, layout)``: keyword arguments for :class:`Eagle3Config` (plus ``_num_assistant_tokens`` when a
+        `speculators` config names its draft length) and the layout name (see :func:`detect_layout`).
     """
     cfg = copy.deepcopy(cfg)
     layout = detect_layout(cfg)
@@ -244,6 +263,9 @@ def native_to_flat_config(config: Eagle3Config) -> dict[str, Any]:
     """Return a flat-layout ``config.json`` dict (as the EAGLE authors / SGLang publish) for ``config``.
 
     Layer ids are written in SGLang's ``eagle_config`` convention (output of layer id, i.e. ours minus 1).
+
+    Args:
+        config (`Eagle3Config`): the draft's configuration.
     """
     out = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -269,6 +291,11 @@ def native_to_speculators_config(config: Eagle3Config, num_speculative_tokens: i
     """Return a `speculators`-layout ``config.json`` dict (as vLLM loads) for ``config``.
 
     Layer ids are written as top-level ``eagle_aux_hidden_state_layer_ids`` (our convention: input of layer i).
+
+    Args:
+        config (`Eagle3Config`): the draft's configuration.
+        num_speculative_tokens (`int`): ``speculative_tokens`` of the greedy proposal method (vLLM's default draft
+            length).
     """
     layer = {
         "model_type": "qwen3" if config.qk_norm else "llama",

@@ -36,8 +36,9 @@ def find_decoder_layers(target: nn.Module, layers_path: str | None = None) -> nn
     """Return the decoder-layer list of ``target``.
 
     Args:
-        target: the target model.
-        layers_path: dotted attribute path (e.g. ``"model.layers"``); searched among common paths when ``None``.
+        target (`nn.Module`): the target model.
+        layers_path (`str`, *optional*): dotted attribute path (e.g. ``"model.layers"``); when ``None``, the common
+            paths of :data:`LAYER_PATHS` are tried, then the only ``nn.ModuleList`` of ``num_hidden_layers`` modules.
 
     Raises:
         ValueError: when no layer list is found, saying how to point at it.
@@ -70,9 +71,9 @@ class Eagle3FeatureCapture:
     when only some were installed.
 
     Args:
-        target: the target model.
-        layer_ids: three layer indices (input of layer i), low -> mid -> high.
-        layers_path: dotted path of the layer list, when it cannot be found automatically.
+        target (`nn.Module`): the target model.
+        layer_ids (`list[int]`): three layer indices (input of layer i), low -> mid -> high.
+        layers_path (`str`, *optional*): dotted path of the layer list, when it cannot be found automatically.
     """
 
     def __init__(self, target: nn.Module, layer_ids: list[int], layers_path: str | None = None):
@@ -118,7 +119,16 @@ class Eagle3FeatureCapture:
         return bool(self._handles)
 
     def features(self, device=None, dtype=None) -> torch.Tensor | None:
-        """Return the latest forward's features concatenated low -> mid -> high, [B, n, 3T] (``None`` if none)."""
+        """
+        Return the latest forward's features concatenated low -> mid -> high.
+
+        Args:
+            device (`torch.device`, *optional*): where to put them (default: where they were captured).
+            dtype (`torch.dtype`, *optional*): their dtype (default: the target's).
+
+        Returns:
+            `torch.Tensor` [B, n, 3T], or ``None`` when some layer has not run since the last :meth:`clear`.
+        """
         if any(c is None for c in self._captured):
             return None
         return torch.cat([c.to(device=device, dtype=dtype) for c in self._captured], dim=-1)

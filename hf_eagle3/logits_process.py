@@ -28,11 +28,18 @@ class Eagle3D2TLogitsProcessor(LogitsProcessor):
         self.identity = d2t.shape[0] == target_vocab_size and not bool(d2t.any())
 
     def map_tokens(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
-        """Map draft-vocabulary token ids to target-vocabulary ids (no host synchronisation)."""
+        """
+        Map draft-vocabulary token ids to target-vocabulary ids (no host synchronisation).
+
+        Args:
+            draft_ids (`torch.LongTensor` of any shape): ids in the draft vocabulary.
+        """
         return draft_ids if self.identity else self.target_ids[draft_ids]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """
+        Spread draft-vocabulary scores over the target vocabulary (``-inf`` outside the draft vocabulary).
+
         Args:
             input_ids (`torch.LongTensor`): the sequence so far (unused).
             scores (`torch.FloatTensor` of shape `(..., draft_vocab_size)`): draft scores.

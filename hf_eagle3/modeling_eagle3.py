@@ -26,7 +26,12 @@ INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 class Eagle3RMSNorm(nn.Module):
-    """RMSNorm as in Llama: ``weight * x / sqrt(mean(x**2) + eps)``, computed in float32."""
+    """RMSNorm as in Llama: ``weight * x / sqrt(mean(x**2) + eps)``, computed in float32.
+
+    Args:
+        size (`int`): width of the normalised (last) dimension.
+        eps (`float`): added to the mean square.
+    """
 
     def __init__(self, size: int, eps: float = 1e-6):
         super().__init__()
@@ -34,7 +39,12 @@ class Eagle3RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise the last dimension of ``x``."""
+        """
+        Normalise the last dimension of ``x``.
+
+        Args:
+            x (`torch.Tensor` [..., size]): the input, returned in its own dtype.
+        """
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -42,7 +52,15 @@ class Eagle3RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: Eagle3Config) -> torch.Tensor:
-    """Return RoPE inverse frequencies of the draft (default, ``linear`` and ``llama3`` scaling built in)."""
+    """
+    Return the RoPE inverse frequencies of the draft (default, ``linear`` and ``llama3`` scaling built in).
+
+    Args:
+        config (`Eagle3Config`): gives ``head_dim``, ``rope_theta`` and ``draft_rope_scaling``.
+
+    Returns:
+        `torch.FloatTensor` of shape `(head_dim // 2,)`, float32.
+    """
     dim = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.draft_rope_scaling or {}
@@ -64,7 +82,13 @@ def rope_inv_freq(config: Eagle3Config) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, heads, L, D] by the half-split RoPE convention of Llama."""
+    """
+    Rotate ``x`` by the half-split RoPE convention of Llama.
+
+    Args:
+        x (`torch.Tensor` [B, heads, L, D]): queries or keys.
+        cos, sin (`torch.Tensor` [B, 1, L, D]): from :meth:`Eagle3DraftModel.rope`.
+    """
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -86,11 +110,25 @@ class Eagle3KVCache:
         return self.length
 
     def crop(self, length: int) -> None:
-        """Keep only the first ``length`` positions."""
+        """
+        Keep only the first ``length`` positions (a longer ``length`` changes nothing).
+
+        Args:
+            length (`int`): positions to keep.
+        """
         self.length = max(0, min(self.length, length))
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``k``/``v`` ([B, kv_heads, n, D]) and return all cached keys and values."""
+        """
+        Append new keys and values and return all cached ones.
+
+        Args:
+            k (`torch.Tensor` [B, kv_heads, n, D]): keys of the new positions.
+            v (`torch.Tensor` [B, kv_heads, n, D]): their values.
+
+        Returns:
+            `(keys, values)`, each [B, kv_heads, cached + n, D] (views of the buffers).
+        """
         n = k.shape[2]
         need = self.length + n
         if self.keys is None or need > self.keys.shape[2] or self.keys.shape[0] != k.shape[0]:
@@ -108,7 +146,11 @@ class Eagle3KVCache:
 
 
 class Eagle3Attention(nn.Module):
-    """Self-attention of the draft layer; its q/k/v projections read ``cat(embedding, hidden)`` (width 2H)."""
+    """Self-attention of the draft layer; its q/k/v projections read ``cat(embedding, hidden)`` (width 2H).
+
+    Args:
+        config (`Eagle3Config`): sizes, biases and ``qk_norm``.
+    """
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -123,7 +165,19 @@ class Eagle3Attention(nn.Module):
             self.k_norm = Eagle3RMSNorm(d, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, cache: Eagle3KVCache | None = None, attention_mask=None):
-        """Attend ``x`` [B, n, 2H] over the cache plus itself; mask ``None`` means causal."""
+        """
+        Attend the new positions over the cache plus themselves.
+
+        Args:
+            x (`torch.Tensor` [B, n, 2H]): ``cat(norm(embedding), norm(hidden))`` of the new positions.
+            cos, sin (`torch.Tensor` [B, 1, n, head_dim]): RoPE of their positions.
+            cache (`Eagle3KVCache`, *optional*): updated in place with the new keys and values.
+            attention_mask (`torch.Tensor`, *optional*): bool [n, past + n] (True = attend) or an additive float
+                mask; ``None`` means causal.
+
+        Returns:
+            `torch.Tensor` [B, n, H].
+        """
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
@@ -148,7 +202,11 @@ class Eagle3Attention(nn.Module):
 
 
 class Eagle3MLP(nn.Module):
-    """The gated MLP of Llama."""
+    """The gated MLP of Llama.
+
+    Args:
+        config (`Eagle3Config`): ``hidden_size``, ``intermediate_size``, ``hidden_act`` and ``mlp_bias``.
+    """
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -159,12 +217,21 @@ class Eagle3MLP(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):
-        """Apply ``down(act(gate(x)) * up(x))``."""
+        """
+        Apply ``down(act(gate(x)) * up(x))``.
+
+        Args:
+            x (`torch.Tensor` [..., H]): the input.
+        """
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The single draft layer: attention over ``cat(input_layernorm(emb), hidden_norm(h))``, then an MLP."""
+    """The single draft layer: attention over ``cat(input_layernorm(emb), hidden_norm(h))``, then an MLP.
+
+    Args:
+        config (`Eagle3Config`): the draft's configuration (``norm_before_residual`` picks the residual).
+    """
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -177,7 +244,16 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = Eagle3MLP(config)
 
     def forward(self, embeds, hidden, cos, sin, cache=None, attention_mask=None):
-        """Return the layer's PRE-norm output hidden state [B, n, H]."""
+        """
+        Return the layer's PRE-norm output hidden state [B, n, H].
+
+        Args:
+            embeds (`torch.Tensor` [B, n, H]): embeddings of the next tokens.
+            hidden (`torch.Tensor` [B, n, H]): fused target features or the previous step's output.
+            cos, sin (`torch.Tensor` [B, 1, n, head_dim]): RoPE of the positions.
+            cache (`Eagle3KVCache`, *optional*), attention_mask (`torch.Tensor`, *optional*): see
+                :meth:`Eagle3Attention.forward`.
+        """
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
@@ -229,6 +305,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     After each ``generate`` call, :attr:`last_stats` holds that call's acceptance statistics and
     :attr:`cumulative_stats` the sum over calls since :meth:`reset_stats`.
+
+    Args:
+        config (`Eagle3Config`): the draft's configuration.
     """
 
     _is_eagle3_draft = True
@@ -275,9 +354,18 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return self._target_embedding[0] if self._target_embedding else None
 
     def bind_target(self, target) -> None:
-        """Check that this draft fits ``target`` and share the target's input embedding when the draft has none.
+        """
+        Check that this draft fits ``target`` and share the target's input embedding when the draft has none.
 
-        Raises ``ValueError`` (naming the fix) when the target's hidden size, vocabulary or depth does not fit.
+        ``generate`` calls it; the number of target layers is checked there (through
+        :meth:`Eagle3Config.resolve_feature_layer_ids`).
+
+        Args:
+            target (`PreTrainedModel`): the target model.
+
+        Raises:
+            ValueError: (naming the fix) when the target's hidden size or vocabulary does not fit, or when the
+                draft has no embedding and the target's has another width.
         """
         text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         t_hidden = getattr(text, "hidden_size", None)
@@ -305,7 +393,12 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             self._target_embedding = (emb,)  # a tuple: shared, not registered as a submodule nor saved
 
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        """Embed target-vocabulary ``input_ids`` on the draft's device and dtype."""
+        """
+        Embed tokens on the draft's device and in its dtype.
+
+        Args:
+            input_ids (`torch.LongTensor` [B, n]): target-vocabulary ids.
+        """
         emb = self.get_input_embeddings()
         if emb is None:
             raise ValueError(
@@ -317,7 +410,15 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     # ----------------------------------------------------------------------------------------------------- compute
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
-        """Fuse target features [B, n, 3T] into draft hidden states [B, n, H] (optional norms, then ``fc``)."""
+        """
+        Fuse target features into draft hidden states (optional norms, then ``fc``).
+
+        Args:
+            features (`torch.Tensor` [B, n, 3T]): captured target hidden states, low -> mid -> high.
+
+        Returns:
+            `torch.Tensor` [B, n, H].
+        """
         features = features.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
         if hasattr(self, "fc_norm"):
             features = torch.cat([n(f) for n, f in zip(self.fc_norm, features.chunk(3, dim=-1))], dim=-1)
@@ -326,10 +427,15 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return self.fc(features)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        """Return (cos, sin) [B, 1, n, head_dim] for ``position_ids`` [B, n].
+        """
+        Return ``(cos, sin)`` [B, 1, n, head_dim] for the given positions.
 
         The angles are computed in float32 whatever the model's dtype: ``inv_freq`` is recomputed when a dtype cast
         (``model.to(torch.bfloat16)``) has rounded it.
+
+        Args:
+            position_ids (`torch.LongTensor` [B, n]): positions.
+            dtype (`torch.dtype`): dtype of the returned tensors.
         """
         if self.inv_freq.dtype != torch.float32:
             self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
@@ -338,7 +444,12 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Return draft-vocabulary scores ``lm_head(norm(h))`` for pre-norm hidden states."""
+        """
+        Return draft-vocabulary scores ``lm_head(norm(h))``.
+
+        Args:
+            hidden_states (`torch.Tensor` [B, n, H]): pre-norm outputs of the draft layer.
+        """
         return self.lm_head(self.norm(hidden_states))
 
     def forward(
@@ -405,7 +516,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
         ``PreTrainedModel.save_pretrained`` writes the generation config only for models that can generate on their
         own; a draft cannot, but its generation config carries the draft-length settings (``num_assistant_tokens``,
-        ``num_assistant_tokens_schedule``, ``assistant_confidence_threshold``) that :meth:`from_pretrained` reads back.
+        ``num_assistant_tokens_schedule``, ``assistant_confidence_threshold``) and the tree settings (``tree_top_k``,
+        ``tree_depth``, ``tree_total_tokens``) that :meth:`from_pretrained` reads back.
 
         Args:
             save_directory (`str` or `os.PathLike`): directory to write to (created if needed).
@@ -439,7 +551,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             pretrained_model_name_or_path (`str` or `os.PathLike`): directory or Hub id.
             dtype / torch_dtype (`torch.dtype` or `str`, *optional*): dtype of the floating weights (default: as
                 stored, or float32 for float64 checkpoints).
-            device (`str` or `torch.device`, *optional*): where to put the model.
+            device / device_map (`str` or `torch.device`, *optional*): where to put the model (``"auto"``: CUDA when
+                available; a dict ``device_map`` is ignored).
             config (`Eagle3Config`, *optional*): use this config instead of the checkpoint's.
             revision, cache_dir, token, local_files_only, subfolder: passed to the Hub resolution.
         """
@@ -493,7 +606,16 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return model.eval()
 
     def load_checkpoint_state_dict(self, state: dict, source: str = "checkpoint") -> None:
-        """Load a native-named state dict strictly: missing, unexpected or mis-shaped tensors raise ``ValueError``."""
+        """
+        Load a native-named state dict strictly: missing, unexpected or mis-shaped tensors raise ``ValueError``.
+
+        ``d2t`` may be absent when the draft and target vocabularies are equal, ``t2d`` is rebuilt from ``d2t`` when
+        absent, and floating tensors are loaded as float32 (:meth:`from_pretrained` casts them afterwards).
+
+        Args:
+            state (`dict[str, torch.Tensor]`): tensors under our names (see :func:`convert_state_dict`).
+            source (`str`): what to call the checkpoint in error messages.
+        """
         own = {k: v for k, v in self.state_dict().items()}
         missing = sorted(set(own) - set(state) - {"t2d"})
         unexpected = sorted(set(state) - set(own))
@@ -535,7 +657,15 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
 
 def convert_state_dict(state: dict, layout: str) -> dict:
-    """Rename a published checkpoint's tensors to our names (``layers.0.`` -> ``midlayer.``, prefixes dropped)."""
+    """
+    Rename a published checkpoint's tensors to our names (``layers.0.`` -> ``midlayer.``, prefixes dropped).
+
+    The renaming is the same for every layout; RoPE buffers stored by some checkpoints are dropped.
+
+    Args:
+        state (`dict[str, torch.Tensor]`): the checkpoint's tensors.
+        layout (`str`): what :func:`~hf_eagle3.configuration_eagle3.detect_layout` returned (informative).
+    """
     out = {}
     for k, v in state.items():
         for prefix in ("model.", "eagle3.", "draft_model."):

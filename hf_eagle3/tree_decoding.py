@@ -83,7 +83,12 @@ def pop_tree_settings(target, draft, kwargs: dict) -> dict | None:
 
 
 def check_tree_target(target) -> None:
-    """Raise ``ValueError`` unless ``target`` can verify a tree (decoder-only, ``sdpa`` or ``eager`` attention)."""
+    """
+    Raise ``ValueError`` unless ``target`` can verify a tree (decoder-only, ``sdpa`` or ``eager`` attention).
+
+    Args:
+        target (`PreTrainedModel`): the target model.
+    """
     config = target.config
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("EAGLE-3 tree decoding supports decoder-only targets only.")
@@ -104,7 +109,12 @@ def _sliding_layer(layer) -> bool:
 
 
 def check_tree_cache(cache) -> None:
-    """Raise ``ValueError`` unless every layer of ``cache`` is one whose entries :func:`gather_cache` can select."""
+    """
+    Raise ``ValueError`` unless every layer of ``cache`` is one whose entries :func:`gather_cache` can select.
+
+    Args:
+        cache (`Cache`): the target's KV cache of this ``generate`` call.
+    """
     if not isinstance(cache, DynamicCache):
         raise ValueError(
             f"EAGLE-3 tree decoding keeps the accepted path of the target's KV cache with a gather, implemented for "
@@ -206,7 +216,8 @@ class DraftTree:
         parents (`torch.LongTensor` [n]): parent of each node (``parents[0] == 0``).
         depths (`torch.LongTensor` [n]): depth of each node (root 0).
         ancestors (`torch.BoolTensor` [n, n]): ``ancestors[i, j]``: j is i or an ancestor of i.
-        scores (`torch.FloatTensor` [n - 1]): cumulative draft log-probability of nodes 1..n-1.
+        scores (`torch.FloatTensor` [n - 1] or `None`): cumulative draft log-probability of nodes 1..n-1 (``None``
+            for trees built without drafting: a lone root, or the chains that time the target).
         max_depth (`int`): an upper bound of the tree's depth (the number of expansion levels used).
     """
 
@@ -247,8 +258,13 @@ class Eagle3TreeDrafter:
         self._logits = None  # draft scores there [1, draft_vocab]
 
     def feed(self, features: torch.Tensor, tokens: torch.LongTensor) -> None:
-        """Consume verified positions: ``features`` [1, f, 3T] of positions ``fed..fed+f-1``, each paired with the
-        token that follows it, ``tokens`` [f]."""
+        """
+        Consume verified positions (dropping the draft KV entries of the previous tree first).
+
+        Args:
+            features (`torch.Tensor` [1, f, 3T]): target features of positions ``fed .. fed + f - 1``.
+            tokens (`torch.LongTensor` [f]): the token that follows each of those positions.
+        """
         self.cache.crop(self.fed)
         f = tokens.shape[-1]
         out = self.draft(
@@ -262,7 +278,12 @@ class Eagle3TreeDrafter:
         self._hidden, self._logits = out.hidden_states[:, -1:], out.logits[:, -1]
 
     def expand(self, depth: int, top_k: int):
-        """Grow the candidates of this round for ``depth`` levels (``depth - 1`` draft forwards of ``top_k`` tokens).
+        """
+        Grow the candidates of this round for ``depth`` levels (``depth - 1`` draft forwards of ``top_k`` tokens).
+
+        Args:
+            depth (`int`): levels of the tree (>= 1).
+            top_k (`int`): children per expanded node, and frontier width (capped at the draft vocabulary).
 
         Returns:
             ``(scores, draft_ids, parents, depths, levels)``: the first four over the candidates 1..M in level order
@@ -309,8 +330,17 @@ class Eagle3TreeDrafter:
 
     @staticmethod
     def ranking_key(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """Ranking of candidates: the cumulative log-probability, with a tiny per-depth penalty so that a child always
-        ranks strictly below its parent (ties, and ``-inf`` scores, would otherwise break the closure under parents)."""
+        """
+        Ranking of candidates: the cumulative log-probability, with a tiny per-depth penalty so that a child always
+        ranks strictly below its parent (ties, and ``-inf`` scores, would otherwise break the closure under parents).
+
+        Args:
+            scores (`torch.FloatTensor` [M]): cumulative log-probabilities of the candidates.
+            depths (`torch.LongTensor` [M]): their depths.
+
+        Returns:
+            `torch.DoubleTensor` [M]: higher is better.
+        """
         return scores.double().clamp(min=-1e6) - 1e-9 * depths.double()
 
     def select(self, candidates, root_token: torch.LongTensor, total_tokens: int) -> DraftTree:
@@ -368,7 +398,12 @@ class TreeSizeChooser:
         self.rounds = 0
 
     def target_seconds(self, n: int) -> float:
-        """Interpolated (linearly extrapolated beyond the largest measured size) forward time for ``n`` tokens."""
+        """
+        Interpolated (linearly extrapolated beyond the largest measured size) forward time for ``n`` tokens.
+
+        Args:
+            n (`int`): tokens of the target forward (the root included).
+        """
         sizes, secs = self.sizes, self.seconds
         if n <= sizes[0]:
             return secs[0]
@@ -384,7 +419,12 @@ class TreeSizeChooser:
         return (self.accepted + AUTO_PRIOR_WEIGHT) / (self.predicted + AUTO_PRIOR_WEIGHT)
 
     def choose(self, path_probs: list[float]) -> int:
-        """Return the best N >= 1 given the candidates' path probabilities sorted in decreasing order."""
+        """
+        Return the number of drafted nodes N >= 1 with the most expected tokens per second.
+
+        Args:
+            path_probs (`list[float]`): the candidates' path probabilities, sorted in decreasing order.
+        """
         best, best_rate, expected, c = 1, -1.0, 1.0, self.calibration
         draft = self.draft_seconds / self.rounds if self.rounds else 0.0
         for n, p in enumerate(path_probs[:AUTO_MAX_NODES], start=1):
@@ -395,7 +435,14 @@ class TreeSizeChooser:
         return best
 
     def update(self, predicted: float, accepted: int, draft_seconds: float) -> None:
-        """Record one round: the chosen tree's predicted accepted length, the real one, and the drafting time."""
+        """
+        Record one round.
+
+        Args:
+            predicted (`float`): the chosen tree's predicted accepted length (sum of its path probabilities).
+            accepted (`int`): drafted tokens the target accepted.
+            draft_seconds (`float`): time spent drafting the round.
+        """
         self.predicted += predicted
         self.accepted += accepted
         self.draft_seconds += draft_seconds
@@ -411,8 +458,13 @@ def measure_target_costs(verify, device, sizes=AUTO_SIZES) -> dict:
     """Time the target's tree forward for chains of ``sizes`` tokens (best of two, after a warm-up).
 
     Args:
-        verify: ``verify(n)`` runs a tree forward of ``n`` tokens on the live cache and removes them again.
-        device: the target's device (synchronised around each timing).
+        verify (`Callable[[int], None]`): ``verify(n)`` runs a tree forward of ``n`` tokens on the live cache and
+            removes them again.
+        device (`torch.device`): the target's device (synchronised around each timing).
+        sizes (`tuple[int]`): the forward sizes to time.
+
+    Returns:
+        `dict[int, float]`: seconds per forward of each size (what :class:`TreeSizeChooser` takes).
     """
     costs = {}
     for n in sizes:
@@ -469,7 +521,7 @@ class _TreeRun:
         self.stats = Eagle3Stats()
 
     def finish(self):
-        """Publish the statistics on the draft (``last_stats`` / ``cumulative_stats``)."""
+        """Publish the statistics on the draft (``last_stats`` / ``cumulative_stats``) and return them."""
         self.draft._record_stats(self.stats)
         return self.stats
 
@@ -508,6 +560,9 @@ def eagle3_tree_decoding(
             ``output_scores``, ``output_logits``.
         streamer (`BaseStreamer`, *optional*): receives each round's new tokens.
         model_kwargs: the prepared model kwargs (``cache``, ``attention_mask``, ``position_ids``, ...).
+
+    The other arguments of ``_assisted_decoding`` (``synced_gpus``, ``inputs_tensor``, ``assistant_model``,
+    ``assistant_tokenizer``, ``tokenizer``) are accepted and ignored.
 
     Returns:
         `torch.LongTensor` of the sequences, or a `GenerateDecoderOnlyOutput` when ``return_dict_in_generate``.

@@ -1,7 +1,10 @@
-"""Shared fixtures: tiny random targets of several architectures, and the real SmolLM2-135M-Instruct."""
+"""Shared fixtures and helpers: tiny random targets of several architectures and their drafts, random prompts, the
+sampling-test pair and its chi-square test, and the real SmolLM2-135M-Instruct."""
 
 from __future__ import annotations
 
+import collections
+import functools
 import os
 
 import pytest
@@ -83,3 +86,99 @@ def smollm2():
     from hf_eagle3.real_model import load_smollm2
 
     return load_smollm2()
+
+
+@functools.lru_cache(maxsize=None)
+def cached_target(arch: str = "llama"):
+    """``tiny_target(arch)`` without EOS (generation stops only where a test says), built once per session.
+
+    Shared by every test module: do not modify it (build your own with :func:`tiny_target` for that).
+    """
+    model = tiny_target(arch)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def cached_draft(arch: str = "llama", draft_vocab_size: int | None = None):
+    """``tiny_draft(cached_target(arch), draft_vocab_size)``, built once per session; shared, do not modify it."""
+    return tiny_draft(cached_target(arch), draft_vocab_size)
+
+
+def random_prompt(length: int = 6, seed: int = 0) -> torch.LongTensor:
+    """Random prompt ids ``[1, length]`` in ``[4, 256)`` (no special ids), fixed by ``seed``."""
+    return torch.randint(4, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, ids, **kwargs) -> torch.LongTensor:
+    """``model.generate`` greedy, returning the full sequence."""
+    return model.generate(ids, do_sample=False, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------ distribution tests
+@functools.lru_cache(maxsize=None)
+def sampling_models():
+    """Target (vocab 24, peaky but not degenerate) and draft (vocab 16, overlapping the target moderately) of the
+    distribution tests, built once per session; shared, do not modify them."""
+    target = tiny_target("llama", vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    target.generation_config.eos_token_id = None
+    draft = tiny_draft(target, 16, hidden_size=32, intermediate_size=48)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6.0)
+    return target, draft
+
+
+def plain_continuations(target, prompt: torch.LongTensor, n: int, **generate_kwargs) -> list[list[int]]:
+    """``n`` continuations of ``prompt`` sampled from ``target`` alone, in one batched call (seed 0)."""
+    torch.manual_seed(0)
+    return target.generate(prompt.repeat(n, 1), **generate_kwargs)[:, prompt.shape[1] :].tolist()
+
+
+def assisted_continuations(target, draft, prompt: torch.LongTensor, n: int, seed: int,
+                           **generate_kwargs) -> tuple[list[list[int]], float]:
+    """``n`` continuations sampled with ``draft`` (one call each, seeded ``seed + i``), and the mean number of
+    accepted drafted tokens per call."""
+    outs, accepted = [], 0
+    for i in range(n):
+        torch.manual_seed(seed + i)
+        out = target.generate(prompt, assistant_model=draft, **generate_kwargs)
+        outs.append(out[0, prompt.shape[1] :].tolist())
+        accepted += draft.last_stats.num_accepted_tokens
+    return outs, accepted / n
+
+
+def chi_square_homogeneity(a: list, b: list) -> tuple[float, int, float]:
+    """Chi-square test that samples ``a`` and ``b`` come from one distribution (2 x C contingency table).
+
+    Outcomes whose pooled expected count in ``a`` is below 5 are merged into one cell, so the asymptotic chi-square
+    distribution holds for the sample sizes at hand.
+
+    Returns:
+        ``(statistic, degrees_of_freedom, p_value)``.
+    """
+    ca, cb = collections.Counter(a), collections.Counter(b)
+    na, nb = len(a), len(b)
+    keys = sorted(set(ca) | set(cb))
+    big = [k for k in keys if (ca[k] + cb[k]) * na / (na + nb) >= 5]
+    rest = [k for k in keys if k not in big]
+    cells = [(ca[k], cb[k]) for k in big]
+    if rest:
+        cells.append((sum(ca[k] for k in rest), sum(cb[k] for k in rest)))
+    stat = 0.0
+    for x, y in cells:
+        ea, eb = (x + y) * na / (na + nb), (x + y) * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    df = len(cells) - 1
+    if df == 0:
+        return 0.0, 0, 1.0
+    p = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    return stat, df, float(p)
+
+
+def token_p_values(samples: list[list[int]], plain: list[list[int]]) -> dict[str, float]:
+    """p-values of the 2nd new token, the 3rd, and the pair, with (``samples``) vs without (``plain``) the draft."""
+    views = {"token 2": slice(1, 2), "token 3": slice(2, 3), "tokens 2-3": slice(1, 3)}
+    return {
+        name: chi_square_homogeneity([tuple(s[v]) for s in samples], [tuple(s[v]) for s in plain])[2]
+        for name, v in views.items()
+    }

@@ -53,7 +53,7 @@ def test_run_bench_tiny(tmp_path):
     assert report["greedy_identical"] is True
     assert report["greedy_mismatches"] == []
     names = [r["strategy"] for r in report["results"]]
-    trees = [f"eagle3-tree k={a} d={b} n={c}" for a, b, c in bench.TREE_SETTINGS]
+    trees = [f"eagle3-tree k={a} d={b} n={c}" for a, b, c in bench.TREE_SHAPES]
     assert names == ["plain", "prompt-lookup", "eagle3-chain k=1", "eagle3-chain k=2", *trees] * 2
     per_mode = len(names) // 2
     assert [r["mode"] for r in report["results"]] == ["greedy"] * per_mode + ["sampled"] * per_mode

@@ -9,11 +9,12 @@ from-scratch forward, and the real SmolLM2-135M-Instruct (``slow``).
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
+from conftest import cached_draft as draft_of
+from conftest import cached_target as target_of
+from conftest import greedy, random_prompt, tiny_draft
 
 from hf_eagle3 import Eagle3CandidateGenerator, Eagle3Stats
 
@@ -22,29 +23,9 @@ SMALL_VOCAB = 48  # draft vocabulary of the "smaller vocab" drafts (target vocab
 ORIGINAL_SELECT = Eagle3CandidateGenerator._select
 
 
-@functools.lru_cache(maxsize=None)
-def target_of(arch: str):
-    """A cached tiny target of ``arch`` that never stops at an EOS unless told to."""
-    model = tiny_target(arch)
-    model.generation_config.eos_token_id = None
-    return model
-
-
-@functools.lru_cache(maxsize=None)
-def draft_of(arch: str, draft_vocab_size: int | None):
-    """A cached random draft for ``target_of(arch)``."""
-    return tiny_draft(target_of(arch), draft_vocab_size)
-
-
 def prompt(length: int, seed: int = 0) -> torch.LongTensor:
     """Random prompt ids of ``length`` tokens (avoiding the special ids 0-3)."""
-    gen = torch.Generator().manual_seed(1000 + seed)
-    return torch.randint(4, 256, (1, length), generator=gen)
-
-
-def greedy(model, ids, **kwargs) -> torch.LongTensor:
-    """``model.generate`` greedy, returning the full sequence."""
-    return model.generate(ids, do_sample=False, **kwargs)
+    return random_prompt(length, seed=1000 + seed)
 
 
 # ------------------------------------------------------------------------------------------ random drafts

@@ -3,10 +3,10 @@ transparent for every other use of ``generate``, and working on targets placed w
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
+from conftest import cached_target as target
+from conftest import random_prompt as prompt
 from conftest import tiny_draft, tiny_target
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, StoppingCriteria
@@ -16,18 +16,6 @@ import hf_eagle3
 from hf_eagle3 import Eagle3CandidateGenerator, install_generate_hook
 
 GenerationMixin = gen_utils.GenerationMixin
-
-
-@functools.lru_cache(maxsize=None)
-def target():
-    """A cached tiny Llama target without EOS."""
-    model = tiny_target("llama")
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def prompt(length: int = 6, seed: int = 0) -> torch.LongTensor:
-    return torch.randint(4, 256, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 def pre_hooks(model) -> list[str]:

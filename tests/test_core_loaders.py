@@ -10,12 +10,12 @@ loaded natively.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 
 import pytest
 import torch
+from conftest import cached_target as target
 from conftest import tiny_draft, tiny_target
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel
@@ -24,14 +24,6 @@ from hf_eagle3 import Eagle3CandidateGenerator, Eagle3Config, Eagle3DraftModel, 
 from hf_eagle3.configuration_eagle3 import config_dict_to_native, native_to_flat_config, native_to_speculators_config
 
 V, T = 256, 64  # target vocabulary and hidden size (conftest.TINY)
-
-
-@functools.lru_cache(maxsize=None)
-def target():
-    """A cached tiny Llama target (6 layers, hidden 64, vocab 256) without EOS."""
-    model = tiny_target("llama")
-    model.generation_config.eos_token_id = None
-    return model
 
 
 def random_state(config: Eagle3Config, seed: int = 0, dtype=torch.float32) -> dict:

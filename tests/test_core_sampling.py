@@ -11,13 +11,18 @@ sampled from) must fail the same test.
 
 from __future__ import annotations
 
-import collections
 import copy
 import functools
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
+from conftest import (
+    assisted_continuations,
+    chi_square_homogeneity,
+    plain_continuations,
+    sampling_models,
+    token_p_values,
+)
 
 from hf_eagle3 import Eagle3CandidateGenerator
 
@@ -29,23 +34,10 @@ ALPHA = 1e-3  # family-wise: each of the three tests below uses ALPHA / 3
 
 
 @functools.lru_cache(maxsize=None)
-def models():
-    """Target (vocab 24, peaky but not degenerate) and draft (vocab 16, overlapping the target moderately)."""
-    target = tiny_target("llama", vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-    target.generation_config.eos_token_id = None
-    draft = tiny_draft(target, 16, hidden_size=32, intermediate_size=48)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(6.0)
-    return target, draft
-
-
-@functools.lru_cache(maxsize=None)
 def plain_samples(n: int = 40000) -> list[list[int]]:
     """``n`` continuations sampled from the target alone, in one batched call."""
-    target, _ = models()
-    torch.manual_seed(0)
-    out = target.generate(PROMPT.repeat(n, 1), **SAMPLING)
-    return out[:, PROMPT.shape[1] :].tolist()
+    target, _ = sampling_models()
+    return plain_continuations(target, PROMPT, n, **SAMPLING)
 
 
 def target_like(select):
@@ -54,7 +46,7 @@ def target_like(select):
     The logits come from an unhooked copy of the target; target tokens outside the draft vocabulary still get
     probability zero, so the draft differs from the target and rejections happen.
     """
-    target, draft = models()
+    target, draft = sampling_models()
     oracle = copy.deepcopy(target)
     target_ids = torch.arange(draft.config.draft_vocab_size) + draft.d2t
 
@@ -68,52 +60,8 @@ def target_like(select):
 
 def assisted_samples(n: int, seed: int = 1000) -> tuple[list[list[int]], float]:
     """``n`` continuations sampled with the draft (one call each); also the mean accepted drafts per call."""
-    target, draft = models()
-    outs, accepted = [], 0
-    for i in range(n):
-        torch.manual_seed(seed + i)
-        out = target.generate(PROMPT, assistant_model=draft, num_assistant_tokens=K, **SAMPLING)
-        outs.append(out[0, PROMPT.shape[1] :].tolist())
-        accepted += draft.last_stats.num_accepted_tokens
-    return outs, accepted / n
-
-
-def chi_square_homogeneity(a: list, b: list) -> tuple[float, int, float]:
-    """Chi-square test that samples ``a`` and ``b`` come from one distribution (2 x C contingency table).
-
-    Outcomes whose pooled expected count in ``a`` is below 5 are merged into one cell, so the asymptotic chi-square
-    distribution holds for the sample sizes at hand.
-
-    Returns:
-        ``(statistic, degrees_of_freedom, p_value)``.
-    """
-    ca, cb = collections.Counter(a), collections.Counter(b)
-    na, nb = len(a), len(b)
-    keys = sorted(set(ca) | set(cb))
-    big = [k for k in keys if (ca[k] + cb[k]) * na / (na + nb) >= 5]
-    rest = [k for k in keys if k not in big]
-    cells = [(ca[k], cb[k]) for k in big]
-    if rest:
-        cells.append((sum(ca[k] for k in rest), sum(cb[k] for k in rest)))
-    stat = 0.0
-    for x, y in cells:
-        ea, eb = (x + y) * na / (na + nb), (x + y) * nb / (na + nb)
-        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
-    df = len(cells) - 1
-    if df == 0:
-        return 0.0, 0, 1.0
-    p = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
-    return stat, df, float(p)
-
-
-def distribution_p_values(samples: list[list[int]]) -> dict[str, float]:
-    """p-values of the 2nd new token, the 3rd, and the pair, with vs without the draft."""
-    plain = plain_samples()
-    views = {"token 2": slice(1, 2), "token 3": slice(2, 3), "tokens 2-3": slice(1, 3)}
-    return {
-        name: chi_square_homogeneity([tuple(s[v]) for s in samples], [tuple(s[v]) for s in plain])[2]
-        for name, v in views.items()
-    }
+    target, draft = sampling_models()
+    return assisted_continuations(target, draft, PROMPT, n, seed, num_assistant_tokens=K, **SAMPLING)
 
 
 def test_chi_square_helper():
@@ -131,7 +79,7 @@ def test_sampling_keeps_target_distribution(draft_kind, monkeypatch):
         monkeypatch.setattr(Eagle3CandidateGenerator, "_select", target_like(ORIGINAL_SELECT))
     samples, accepted = assisted_samples(500, seed=1000)
     assert accepted > (1.0 if draft_kind == "target_like" else 0.2), "the drafts must often be accepted"
-    p = distribution_p_values(samples)
+    p = token_p_values(samples, plain_samples())
     assert min(p.values()) > ALPHA / 3, p
 
 
@@ -160,13 +108,13 @@ def test_negative_control_detects_broken_generator(broken, monkeypatch):
     """The distribution test has power: misapplied processors or ``d2t`` make it fail (with fewer samples)."""
     monkeypatch.setattr(Eagle3CandidateGenerator, "_select", target_like(broken))
     samples, _ = assisted_samples(300, seed=5000)
-    p = distribution_p_values(samples)
+    p = token_p_values(samples, plain_samples())
     assert min(p.values()) < ALPHA / 3, p
 
 
 def test_candidate_logits_are_the_processed_draft_distribution(monkeypatch):
     """Each round returns, over the full target vocabulary, the processed draft scores the drafts were drawn from."""
-    target, draft = models()
+    target, draft = sampling_models()
     seen = []
     original = Eagle3CandidateGenerator.get_candidates
 

@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
+from conftest import cached_target as target
+from conftest import random_prompt as prompt
 from conftest import tiny_draft, tiny_target
 from transformers import GenerationConfig
 
 from hf_eagle3 import Eagle3CandidateGenerator, Eagle3Stats
 
 ORIGINAL_SELECT = Eagle3CandidateGenerator._select
-
-
-@functools.lru_cache(maxsize=None)
-def target():
-    """A cached tiny Llama target without EOS."""
-    model = tiny_target("llama")
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def prompt(length: int = 6, seed: int = 0) -> torch.LongTensor:
-    return torch.randint(4, 256, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 def generate(draft=None, max_new_tokens: int = 12, seed: int = 0, **kwargs):

@@ -139,6 +139,9 @@ def test_collate_mask_counts_response_tokens_in_draft_vocab():
     batch = collate([item], t2d, torch.zeros(3, 2))
     # position i counts if token i+1 is a response token (i+1 >= 2), i+1 exists, and the target argmax at i is drafted
     assert batch["loss_mask"][0].tolist() == [0.0, 1.0, 1.0, 0.0, 0.0]
+    # prompt positions (predicting token 1 here) count with prompt_loss_weight when asked for
+    weighted = collate([item], t2d, torch.zeros(3, 2), prompt_loss_weight=0.5)
+    assert weighted["loss_mask"][0].tolist() == [0.5, 1.0, 1.0, 0.0, 0.0]
 
 
 def _tiny_records(target, n=24, prompt=8, new=24, seed=0):

@@ -11,14 +11,23 @@ SmolLM2-135M-Instruct runs under ``slow``.
 
 from __future__ import annotations
 
-import collections
 import copy
 import functools
 import inspect
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
+from conftest import (
+    assisted_continuations,
+    greedy,
+    plain_continuations,
+    random_prompt,
+    sampling_models,
+    tiny_draft,
+    token_p_values,
+)
+from conftest import cached_draft as draft_of
+from conftest import cached_target as target_of
 
 import hf_eagle3.tree_decoding as td
 from hf_eagle3.candidate_generator import _ACTIVE
@@ -31,25 +40,8 @@ def tree(top_k, depth, total):
     return dict(tree_top_k=top_k, tree_depth=depth, tree_total_tokens=total)
 
 
-@functools.lru_cache(maxsize=None)
-def target_of(arch: str):
-    model = tiny_target(arch)
-    model.generation_config.eos_token_id = None
-    return model
-
-
-@functools.lru_cache(maxsize=None)
-def draft_of(arch: str, draft_vocab_size: int | None = None):
-    return tiny_draft(target_of(arch), draft_vocab_size)
-
-
 def prompt(length: int, seed: int = 0) -> torch.LongTensor:
-    gen = torch.Generator().manual_seed(2000 + seed)
-    return torch.randint(4, 256, (1, length), generator=gen)
-
-
-def greedy(model, ids, **kwargs):
-    return model.generate(ids, do_sample=False, **kwargs)
+    return random_prompt(length, seed=2000 + seed)
 
 
 def no_hooks_left(target) -> bool:
@@ -314,62 +306,20 @@ ALPHA = 1e-3
 
 
 @functools.lru_cache(maxsize=None)
-def sampling_models():
-    target = tiny_target("llama", vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-    target.generation_config.eos_token_id = None
-    draft = tiny_draft(target, 16, hidden_size=32, intermediate_size=48)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(6.0)
-    return target, draft
-
-
-@functools.lru_cache(maxsize=None)
 def plain_samples(n: int = 20000) -> list:
     target, _ = sampling_models()
-    torch.manual_seed(0)
-    return target.generate(PROMPT.repeat(n, 1), **SAMPLING)[:, PROMPT.shape[1]:].tolist()
+    return plain_continuations(target, PROMPT, n, **SAMPLING)
 
 
 def tree_samples(n: int, seed: int) -> tuple[list, float]:
     target, draft = sampling_models()
-    outs, accepted = [], 0
-    for i in range(n):
-        torch.manual_seed(seed + i)
-        out = target.generate(PROMPT, assistant_model=draft, **SAMPLING, **TREE)
-        outs.append(out[0, PROMPT.shape[1]:].tolist())
-        accepted += draft.last_stats.num_accepted_tokens
-    return outs, accepted / n
-
-
-def chi_square_p(a: list, b: list) -> float:
-    """p-value of a chi-square test of homogeneity (cells with expected count < 5 in ``a`` pooled)."""
-    ca, cb = collections.Counter(a), collections.Counter(b)
-    na, nb = len(a), len(b)
-    keys = sorted(set(ca) | set(cb))
-    big = [k for k in keys if (ca[k] + cb[k]) * na / (na + nb) >= 5]
-    cells = [(ca[k], cb[k]) for k in big]
-    rest = [k for k in keys if k not in big]
-    if rest:
-        cells.append((sum(ca[k] for k in rest), sum(cb[k] for k in rest)))
-    stat = sum(((x - (x + y) * na / (na + nb)) ** 2) / ((x + y) * na / (na + nb))
-               + ((y - (x + y) * nb / (na + nb)) ** 2) / ((x + y) * nb / (na + nb)) for x, y in cells)
-    df = len(cells) - 1
-    if df == 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
-def p_values(samples: list) -> dict:
-    plain = plain_samples()
-    views = {"token 2": slice(1, 2), "token 3": slice(2, 3), "tokens 2-3": slice(1, 3)}
-    return {k: chi_square_p([tuple(s[v]) for s in samples], [tuple(s[v]) for s in plain]) for k, v in views.items()}
+    return assisted_continuations(target, draft, PROMPT, n, seed, **SAMPLING, **TREE)
 
 
 def test_sampling_keeps_target_distribution():
     samples, accepted = tree_samples(500, seed=1000)
     assert accepted > 0.4, "the test needs drafts that are often accepted"
-    p = p_values(samples)
+    p = token_p_values(samples, plain_samples())
     assert min(p.values()) > ALPHA / 2, p
 
 
@@ -389,7 +339,7 @@ def _broken_residual(probs, child_tokens):
 def test_negative_control_detects_broken_acceptance(monkeypatch):
     monkeypatch.setattr(td, "sample_among_children", _broken_residual)
     samples, _ = tree_samples(500, seed=5000)
-    p = p_values(samples)
+    p = token_p_values(samples, plain_samples())
     assert min(p.values()) < ALPHA / 2, p
 
 

@@ -76,11 +76,16 @@ def cmd_train(args) -> None:
         d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
         torch.save((d2t, t2d), vocab_file)
         print(f"draft vocab {args.draft_vocab_size}: covers {coverage(counts, d2t):.4f} of response tokens")
-    config = draft_config_for_target(head["config"], args.draft_vocab_size)
-    draft = init_draft(config, head, d2t, t2d)
+    if args.init_draft:  # continue from a trained draft (its vocabulary mapping wins)
+        from ..modeling_eagle3 import Eagle3DraftModel
+
+        draft = Eagle3DraftModel.from_pretrained(args.init_draft, dtype=torch.float32)
+    else:
+        draft = init_draft(draft_config_for_target(head["config"], args.draft_vocab_size), head, d2t, t2d)
     cfg = TrainConfig(
         ttt_length=args.ttt_length, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
         warmup_steps=args.warmup_steps, max_prompt_context=args.max_prompt_context,
+        prompt_loss_weight=args.prompt_loss_weight,
         mixed_precision=args.mixed_precision, save_every=args.save_every, max_steps=args.max_steps,
         max_minutes=args.max_minutes, holdout_shards=args.holdout_shards,
     )
@@ -134,12 +139,15 @@ def register(subparsers) -> None:
     t.add_argument("--feature-batch", type=int, default=8)
     t.add_argument("--feature-dtype", default="bfloat16")
     t.add_argument("--draft-vocab-size", type=int, default=8192)
+    t.add_argument("--init-draft", default=None, help="start from this trained draft instead of a new one")
     t.add_argument("--ttt-length", type=int, default=7)
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--batch-tokens", type=int, default=4096)
     t.add_argument("--warmup-steps", type=int, default=50)
     t.add_argument("--max-prompt-context", type=int, default=256)
+    t.add_argument("--prompt-loss-weight", type=float, default=0.0,
+                   help="also train on prompt positions with this weight (0 = responses only, the reference)")
     t.add_argument("--mixed-precision", default="bf16", choices=["bf16", "fp16", "no"])
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--max-steps", type=int, default=0)

@@ -141,14 +141,15 @@ def ttt_loss(
         input_ids: tokens [B, n] (target vocabulary).
         target_logits: the target's logits restricted to the draft vocabulary [B, n, Vd]; position i predicts
             token i + 1.
-        loss_mask: [B, n] float/bool; position i counts when it predicts a response token whose target argmax is in
-            the draft vocabulary.
+        loss_mask: [B, n] float/bool weights; position i counts (with its weight) when it predicts a response token
+            whose target argmax is in the draft vocabulary.
         ttt_length: unrolled draft steps.
         step_decay: step k is weighted ``step_decay ** k``.
 
     Returns:
-        ``(loss, stats)``: the weighted sum over steps of each step's mean soft cross-entropy over its counted
-        positions, and per-step ``loss``, ``acc`` (draft argmax == target argmax) and ``count`` lists.
+        ``(loss, stats)``: the sum over steps (weighted ``step_decay ** k``) of each step's weighted mean soft
+        cross-entropy over its counted positions, and per-step ``loss``, ``acc`` (draft argmax == target argmax,
+        weighted alike) and ``count`` lists.
     """
     m = input_ids.shape[1] - 1
     pad = ttt_length + 1  # pad once so that every step reads a window [1 + k, 1 + k + m)
@@ -166,11 +167,13 @@ def ttt_loss(
             stats["loss"].append(0.0)
             stats["acc"].append(0.0)
             continue
+        weight = mask_all[:, window][sel]
         logits = draft.compute_logits(hidden[sel]).float()
-        step_loss = -(probs_all[:, window][sel] * logits.log_softmax(-1)).sum(-1).mean()
+        per_pos = -(probs_all[:, window][sel] * logits.log_softmax(-1)).sum(-1)
+        step_loss = (per_pos * weight).sum() / weight.sum()
         total = total + (step_decay**k) * step_loss
         with torch.no_grad():
-            acc = (logits.argmax(-1) == argmax_all[:, window][sel]).float().mean()
+            acc = ((logits.argmax(-1) == argmax_all[:, window][sel]).float() * weight).sum() / weight.sum()
         stats["loss"].append(float(step_loss.detach()))
         stats["acc"].append(float(acc))
     return total, stats
@@ -241,8 +244,12 @@ class FeatureShards:
         return sum(1 for _ in self.batches(0, shards))
 
 
-def collate(items, t2d: torch.Tensor, lm_head_rows: torch.Tensor):
+def collate(items, t2d: torch.Tensor, lm_head_rows: torch.Tensor, prompt_loss_weight: float = 0.0):
     """Pad ``items`` and compute target logits over the draft vocabulary and the loss mask.
+
+    The mask is 1 where a position predicts a response token whose target argmax is in the draft vocabulary (the
+    reference recipe). ``prompt_loss_weight`` > 0 also counts prompt positions, with that weight: distillation on
+    the prompt text, which is free (its features are cached anyway) and broadens scarce data.
 
     Returns:
         dict with ``features``, ``input_ids``, ``target_logits``, ``loss_mask``.
@@ -259,8 +266,9 @@ def collate(items, t2d: torch.Tensor, lm_head_rows: torch.Tensor):
         feats[r, :L], last[r, :L], ids[r, :L] = x["features"], x["last_hidden"], x["input_ids"]
         # position i predicts token i+1: count response tokens (i + 1 >= prompt_len) whose target argmax is drafted
         pos = torch.arange(L)
-        ok = (pos + 1 >= x["prompt_len"]) & (pos + 1 < L) & t2d[x["target_argmax"]]
-        mask[r, :L] = ok.float()
+        drafted = (pos + 1 < L) & t2d[x["target_argmax"]]
+        response = pos + 1 >= x["prompt_len"]
+        mask[r, :L] = (drafted & response).float() + prompt_loss_weight * (drafted & ~response).float()
     logits = last.float() @ lm_head_rows.T
     return {"features": feats, "input_ids": ids, "target_logits": logits, "loss_mask": mask}
 
@@ -278,6 +286,7 @@ class TrainConfig:
         batch_tokens: padded tokens per batch.
         grad_clip: gradient-norm clip.
         max_prompt_context: prompt tokens kept before each response.
+        prompt_loss_weight: weight of prompt positions in the loss (0 = the reference recipe: responses only).
         mixed_precision: ``"bf16"``, ``"fp16"`` or ``"no"`` (accelerate autocast).
         save_every: checkpoint every this many optimiser steps.
         log_every: log every this many steps.
@@ -297,6 +306,7 @@ class TrainConfig:
     batch_tokens: int = 4096
     grad_clip: float = 0.5
     max_prompt_context: int = 256
+    prompt_loss_weight: float = 0.0
     mixed_precision: str = "bf16"
     save_every: int = 100
     log_every: int = 10
@@ -439,7 +449,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
             for bi, (_, _, items) in enumerate(data.batches(epoch)):
                 if epoch == start_epoch and bi < skip:
                     continue
-                batch = collate(items, t2d, lm_rows)
+                batch = collate(items, t2d, lm_rows, cfg.prompt_loss_weight)
                 batch = {k: v.to(accelerator.device) for k, v in batch.items()}
                 with accelerator.autocast():
                     loss, stats = ttt_loss(
