@@ -218,13 +218,23 @@ class FeatureShards:
         }
 
     def batches(self, epoch: int, shards=None):
-        """Yield ``(shard_index, batch_index, items)`` for one epoch, in a deterministic shuffled order."""
+        """Yield ``(shard_path, batch_index, items)`` for one epoch, in a deterministic shuffled order.
+
+        Without ``shards``, the shard list is re-read after every shard, so shards written while training runs
+        (data generation still going on) join the current pass.
+        """
         rng = random.Random(self.seed * 1000 + epoch)
-        shards = list(shards if shards is not None else self.shards)
-        order = list(range(len(shards)))
-        rng.shuffle(order)
-        for si in order:
-            items = [self._trim(x) for x in torch.load(shards[si], weights_only=False)]
+        fixed = list(shards) if shards is not None else None
+        done: set = set()
+        while True:
+            if fixed is None:
+                self.refresh()
+            pending = [s for s in (fixed if fixed is not None else self.shards) if s not in done]
+            if not pending:
+                return
+            path = rng.choice(pending)
+            done.add(path)
+            items = [self._trim(x) for x in torch.load(path, weights_only=False)]
             items.sort(key=lambda x: len(x["input_ids"]))
             groups, cur = [], []
             for it in items:
@@ -237,7 +247,7 @@ class FeatureShards:
                 groups.append(cur)
             rng.shuffle(groups)
             for bi, g in enumerate(groups):
-                yield si, bi, g
+                yield path, bi, g
 
     def num_batches(self, shards=None) -> int:
         """Count batches of one epoch (reads every shard once)."""
@@ -445,7 +455,6 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     done = False
     with open(out / "log.jsonl", "a") as logf:
         for epoch in range(start_epoch, cfg.epochs):
-            data.refresh()
             for bi, (_, _, items) in enumerate(data.batches(epoch)):
                 if epoch == start_epoch and bi < skip:
                     continue
