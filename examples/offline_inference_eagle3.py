@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hf_eagle3.bench import encode_prompt, load_draft, load_prompts, load_target
 
-    prompts = load_prompts(args.dataset, None)[:: args.prompt_stride][: args.num_prompts]
+    prompts = load_prompts(args.dataset, None)[:: max(1, args.prompt_stride)][: args.num_prompts]
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     draft, draft_name, _ = load_draft(args.draft, target)
     k = args.num_spec_tokens or draft.generation_config.num_assistant_tokens

@@ -1,6 +1,7 @@
 """EAGLE-3 chain drafting as a Transformers ``CandidateGenerator``, and the ``generate`` hook that selects it.
 
-Core file: imports only torch/transformers and the other core files (lazily, to avoid cycles).
+Core file: imports only torch/transformers and the other core files (``tree_decoding`` at import time, the
+others lazily inside functions, since ``modeling_eagle3`` imports this module).
 """
 
 from __future__ import annotations

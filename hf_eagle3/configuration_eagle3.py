@@ -12,7 +12,6 @@ from transformers import PreTrainedConfig
 
 # Architectures under which EAGLE-3 drafts are published in the "flat" layout (``midlayer.*`` weights).
 FLAT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle", "Eagle3DraftModel")
-SPECULATORS_ARCHITECTURES = ("Eagle3Speculator", "Eagle3DraftModel")
 
 
 class Eagle3Config(PreTrainedConfig):

@@ -165,8 +165,7 @@ def export_remote_code(draft_or_path, out_dir: str | os.PathLike, dtype=None) ->
     ``hf_eagle3`` is imported, which registers the model type locally).
 
     The bundle holds all the core files: Transformers copies a modeling file's relative imports recursively (also
-    those inside functions), and the generate hook imports ``feature_capture`` / ``logits_process`` /
-    ``tree_decoding`` lazily.
+    those inside functions), and the generate hook imports ``feature_capture`` / ``logits_process`` lazily.
 
     Args:
         draft_or_path (`Eagle3DraftModel`, `str` or `os.PathLike`): the draft, or a checkpoint in any supported
