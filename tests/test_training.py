@@ -219,3 +219,31 @@ def test_train_cli_end_to_end_and_exports_reload(tmp_path):
         other.bind_target(target)
         torch.testing.assert_close(other(input_ids=ids, target_features=feats).logits, expected)
         assert torch.equal(target.generate(ids, assistant_model=other, max_new_tokens=12, do_sample=False), ref)
+
+
+@pytest.mark.slow
+def test_prepare_is_resumable(tmp_path):
+    """Responses are regenerated with the target's chat template; a rerun answers only the missing prompts."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from hf_eagle3.real_model import smollm2_path
+    from hf_eagle3.training.prepare import done_ids, iter_records, prepare
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path()))
+    target = tiny_target("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Question number {i}?"}) + "\n" for i in range(5)))
+    out = tmp_path / "data"
+    prepare(target, tok, prompts, out, max_prompts=3, max_new_tokens=6, batch_size=2, progress=False)
+    assert done_ids(out) == {"p0", "p1", "p2"}
+    with open(next(out.glob("responses-*.jsonl")), "a") as f:
+        f.write('{"id": "p3", "prompt_ids": [1, 2')  # a line cut by an interruption
+    prepare(target, tok, prompts, out, max_new_tokens=6, batch_size=2, progress=False)
+    records = list(iter_records(out))
+    assert sorted(r["id"] for r in records) == ["p0", "p1", "p2", "p3", "p4"]  # nothing answered twice
+    expected = tok.apply_chat_template([{"role": "user", "content": "Question number 4?"}], add_generation_prompt=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    rec = next(r for r in records if r["id"] == "p4")
+    assert rec["prompt_ids"] == list(expected) and 1 <= len(rec["response_ids"]) <= 6

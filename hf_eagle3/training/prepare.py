@@ -34,21 +34,20 @@ def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[dict
 
 def done_ids(out_dir: str | os.PathLike) -> set[str]:
     """Return the ids of prompts already answered in ``out_dir``."""
-    ids = set()
-    for shard in sorted(Path(out_dir).glob("responses-*.jsonl")):
-        with open(shard) as f:
-            for line in f:
-                try:
-                    ids.add(json.loads(line)["id"])
-                except (json.JSONDecodeError, KeyError):
-                    pass  # a line cut by an interruption
-    return ids
+    return {r["id"] for r in iter_records(out_dir) if "id" in r}
+
+
+def _shards(out_dir: str | os.PathLike) -> list[Path]:
+    """The response shards of ``out_dir``: ``responses-*.jsonl``, and gzipped ``responses-*.jsonl.gz`` archives."""
+    return sorted(Path(out_dir).glob("responses-*.jsonl")) + sorted(Path(out_dir).glob("responses-*.jsonl.gz"))
 
 
 def iter_records(out_dir: str | os.PathLike) -> Iterable[dict]:
     """Yield every complete ``{"id", "prompt_ids", "response_ids"}`` record written to ``out_dir``."""
-    for shard in sorted(Path(out_dir).glob("responses-*.jsonl")):
-        with open(shard) as f:
+    import gzip
+
+    for shard in _shards(out_dir):
+        with (gzip.open(shard, "rt") if shard.suffix == ".gz" else open(shard)) as f:
             for line in f:
                 try:
                     yield json.loads(line)
