@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DRAFT = ROOT / "examples" / "drafts" / "smollm2-135m-eagle3"
 MT_BENCH = ROOT.parent / "shared" / "data" / "eval" / "mt_bench.jsonl"
 
-# Measured on the full MT-bench turn 1 (see the draft's README.md); the floor leaves room for a small subset.
-ACCEPTANCE_FLOOR = 2.0
+# These 3 prompts x 48 tokens gave a mean acceptance length of 1.35 when the draft was shipped (1.41 on MT-bench turn 1,
+# see the draft's README.md); a random draft gives 1.00. The floor guards that the shipped weights really draft.
+ACCEPTANCE_FLOOR = 1.2
 
 
 def _prompts(n):
