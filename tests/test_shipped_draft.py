@@ -1,6 +1,5 @@
 """The shipped SmolLM2-135M-Instruct draft: lossless, and an acceptance floor on a few MT-bench prompts."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -10,22 +9,23 @@ import hf_eagle3
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFT = ROOT / "examples" / "drafts" / "smollm2-135m-eagle3"
-MT_BENCH = ROOT.parent / "shared" / "data" / "eval" / "mt_bench.jsonl"
 
 # These 3 prompts x 48 tokens gave a mean acceptance length of 1.35 when the draft was shipped (1.41 on MT-bench turn 1,
 # see the draft's README.md); a random draft gives 1.00. The floor guards that the shipped weights really draft.
 ACCEPTANCE_FLOOR = 1.2
 
 
-def _prompts(n):
-    if MT_BENCH.exists():
-        rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
-        return [r["turns"][0] for r in rows[:n]]
-    return [  # the same kind of prompts when the benchmark file is not beside the checkout
-        "Compose an engaging travel blog post about a recent trip to Hawaii.",
-        "Explain the difference between a list and a tuple in Python.",
-        "Write a short story about a robot learning to paint.",
-    ][:n]
+# The first three MT-bench questions (turn 1), written out so that the test does not depend on ../shared.
+PROMPTS = [
+    "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and "
+    "must-see attractions.",
+    "Draft a professional email seeking your supervisor's feedback on the 'Quarterly Financial Report' you prepared. "
+    "Ask specifically about the data analysis, presentation style, and the clarity of conclusions drawn. Keep the "
+    "email short and to the point.",
+    "Imagine you are writing a blog post comparing two popular smartphone models. Develop an outline for the blog "
+    "post, including key points and subheadings to effectively compare and contrast the features, performance, and "
+    "user experience of the two models. Please answer in fewer than 200 words.",
+]
 
 
 @pytest.mark.slow
@@ -35,7 +35,7 @@ def test_shipped_draft_is_lossless_and_accepts(smollm2):
     draft = hf_eagle3.Eagle3DraftModel.from_pretrained(DRAFT, dtype=torch.float32)
     assert draft.config.vocab_size == target.config.vocab_size
     total = None
-    for prompt in _prompts(3):
+    for prompt in PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
         ref = target.generate(ids, max_new_tokens=48, do_sample=False)
