@@ -226,6 +226,8 @@ class Eagle3CandidateGenerator(CandidateGenerator):
                 f"EAGLE-3 feature bookkeeping lost track (target forward started at {start}, draft has {self._fed} "
                 "positions). Was the target called outside generate during the call?"
             )
+        if k <= 0:  # max_length reached: the target's next forward is the last, nothing to draft or feed
+            return input_ids, None
         new = cur_len - 1 - self._fed  # positions with verified features not yet in the draft cache
         self.cache.crop(self._fed)
         ids = input_ids.to(self.device)
@@ -238,8 +240,6 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         )
         self._fed = cur_len - 1
         self.capture.clear()
-        if k <= 0:
-            return input_ids, None
         tokens, scores = [], []
         seq = ids
         for step in range(k):

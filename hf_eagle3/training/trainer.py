@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -528,8 +527,3 @@ def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int
             cnt[k] += stats["count"][k]
     draft._target_embedding = None
     return {"acc": [a / max(c, 1) for a, c in zip(acc, cnt)], "loss": [l / max(c, 1) for l, c in zip(los, cnt)], "count": cnt[0]}
-
-
-def env_threads() -> int:
-    """Threads torch uses here (``OMP_NUM_THREADS`` or the CPU count)."""
-    return int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
