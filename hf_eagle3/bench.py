@@ -334,6 +334,7 @@ def run_bench(
     out_dir: str | os.PathLike | None = None,
     meta: dict | None = None,
     progress: bool = True,
+    cost_sizes=(1, 2, 4, 8, 16, 32),
 ) -> dict:
     """Time every strategy on the same prompts, greedy and (when ``temperature > 0``) sampled.
 
@@ -356,10 +357,11 @@ def run_bench(
         out_dir: when given, write ``bench.json``, ``bench.md`` and ``bench.png`` there.
         meta: extra fields stored under ``"settings"`` in the report (e.g. model names, the command line).
         progress: show a tqdm progress bar on stderr.
+        cost_sizes: token counts for :func:`target_forward_costs` on the first prompt (empty: skip).
 
     Returns:
         The report dict (as written to ``bench.json``): ``settings``, ``results`` (one entry per mode and strategy),
-        ``greedy_identical``, ``greedy_mismatches``.
+        ``greedy_identical``, ``greedy_mismatches``, ``target_forward_ms`` (by number of new tokens).
     """
     from tqdm.auto import tqdm
 
@@ -375,6 +377,8 @@ def run_bench(
         ids = encoded[0]
         target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(8, max_new_tokens),
                         do_sample=False, **kwargs)
+
+    costs = target_forward_costs(target, encoded[0], tuple(cost_sizes)) if cost_sizes else {}
 
     totals = {}
     greedy_outputs = {s.name: [] for s in strategies}
@@ -469,10 +473,56 @@ def run_bench(
         "greedy_compared": {"prompts": len(reference), "strategies": [s.name for s in strategies[1:]]},
         "greedy_mismatches": mismatches,
         "greedy_outputs": greedy_outputs,
+        "target_forward_ms": {str(n): 1000.0 * t for n, t in costs.items()},
     }
     if out_dir is not None:
         write_outputs(report, out_dir)
     return report
+
+
+def target_forward_costs(target, input_ids: torch.LongTensor, sizes=(1, 2, 4, 8, 16, 32), repeats: int = 3) -> dict:
+    """Time one target forward of ``n`` new tokens on top of the KV cache of ``input_ids``, for each ``n`` in ``sizes``.
+
+    This is what speculative decoding trades on: a round verifies ``k + 1`` (chain) or ``total_tokens + 1`` (tree)
+    tokens in one forward, so the ratio ``cost(n) / cost(1)`` bounds the speed-up any acceptance length can buy. On
+    GPUs it stays near 1 up to dozens of tokens; on CPUs it depends strongly on the dtype (see docs/benchmarks.md).
+
+    Args:
+        target: the target model.
+        input_ids (`torch.LongTensor` [1, L]): the context whose cache the timed forwards extend.
+        sizes (`tuple[int]`): the numbers of new tokens to time.
+        repeats (`int`): timed forwards per size (after one warm-up); the median is kept.
+
+    Returns:
+        `dict[int, float]`: median seconds per forward, by number of new tokens.
+    """
+    import inspect
+
+    from transformers import DynamicCache
+
+    from hf_eagle3.tree_decoding import gather_cache
+
+    cache_key = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    cache = DynamicCache(config=target.config)
+    context = input_ids.shape[1]
+    costs = {}
+    with torch.no_grad():
+        target(input_ids=input_ids, use_cache=True, **{cache_key: cache})
+        for n in sizes:
+            new = input_ids[:, -1:].repeat(1, n)
+            positions = torch.arange(context, context + n, device=input_ids.device)[None]
+            times = []
+            for r in range(repeats + 1):
+                sync()
+                start = time.perf_counter()
+                target(input_ids=new, position_ids=positions, use_cache=True, **{cache_key: cache})
+                sync()
+                if r:
+                    times.append(time.perf_counter() - start)
+                gather_cache(cache, torch.zeros(0, dtype=torch.long), n)
+            costs[n] = sorted(times)[len(times) // 2]
+    return costs
 
 
 # --------------------------------------------------------------------------------------------------------- outputs
@@ -519,6 +569,12 @@ def format_markdown(report: dict) -> str:
         for m in report["greedy_mismatches"]:
             lines.append(f"- {m['strategy']}, prompt {m['prompt_index']}: first difference at new token "
                          f"{m['first_difference']}")
+    costs = report.get("target_forward_ms") or {}
+    if costs:
+        one = costs.get("1")
+        parts = [f"{n}: {ms:.1f} ms" + (f" ({ms / one:.2f}x)" if one else "") for n, ms in costs.items()]
+        lines += ["", "Target forward for n new tokens (on the first prompt's cache; ratio to 1 token): " + ", ".join(parts)
+                  + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -52,6 +52,8 @@ def test_run_bench_tiny(tmp_path):
 
     assert report["greedy_identical"] is True
     assert report["greedy_mismatches"] == []
+    assert list(report["target_forward_ms"]) == ["1", "2", "4", "8", "16", "32"]
+    assert all(ms > 0 for ms in report["target_forward_ms"].values())
     names = [r["strategy"] for r in report["results"]]
     trees = [f"eagle3-tree k={a} d={b} n={c}" for a, b, c in bench.TREE_SHAPES]
     assert names == ["plain", "prompt-lookup", "eagle3-chain k=1", "eagle3-chain k=2", *trees] * 2
@@ -158,3 +160,23 @@ def test_example_rejects_batching(capsys):
     assert "--max_num_seqs 2 is not supported" in capsys.readouterr().err
     args = example.parse_args(["--num_spec_tokens", "3", "--num_prompts", "4"])
     assert args.max_num_seqs == 1 and args.num_spec_tokens == 3 and args.num_prompts == 4
+
+
+def test_target_forward_costs_restore_the_cache():
+    """Each timed forward is removed from the cache again: the next one sees the same context length."""
+    target = tiny_target("llama")
+    ids = torch.randint(0, target.config.vocab_size, (1, 7))
+    seen = []
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        seen.append((kwargs["hidden_states"].shape[1] if "hidden_states" in kwargs else args[0].shape[1],
+                     cache.get_seq_length()))
+
+    hook = target.model.layers[0].register_forward_pre_hook(before, with_kwargs=True)
+    try:
+        costs = bench.target_forward_costs(target, ids, sizes=(1, 3), repeats=2)
+    finally:
+        hook.remove()
+    assert sorted(costs) == [1, 3] and all(t > 0 for t in costs.values())
+    assert seen == [(7, 0)] + [(1, 7)] * 3 + [(3, 7)] * 3
