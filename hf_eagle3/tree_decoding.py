@@ -277,13 +277,15 @@ class Eagle3TreeDrafter:
         self.fed += f
         self._hidden, self._logits = out.hidden_states[:, -1:], out.logits[:, -1]
 
-    def expand(self, depth: int, top_k: int):
+    def expand(self, depth: int, top_k: int, should_expand=None):
         """
         Grow the candidates of this round for ``depth`` levels (``depth - 1`` draft forwards of ``top_k`` tokens).
 
         Args:
             depth (`int`): levels of the tree (>= 1).
             top_k (`int`): children per expanded node, and frontier width (capped at the draft vocabulary).
+            should_expand (`Callable[[torch.FloatTensor], bool]`, *optional*): called before each further level with
+                the frontier's cumulative log-probabilities; ``False`` stops the expansion there (fewer levels).
 
         Returns:
             ``(scores, draft_ids, parents, depths, levels)``: the first four over the candidates 1..M in level order
@@ -303,6 +305,8 @@ class Eagle3TreeDrafter:
         ancestors = torch.zeros(k, 0, dtype=torch.bool, device=self.device)  # frontier x earlier tree entries
         base = 1 + k  # candidate number of the next level's first child
         for level in range(1, depth):
+            if should_expand is not None and not should_expand(scores):
+                break
             mask = torch.cat([torch.ones(k, real, dtype=torch.bool, device=self.device), ancestors, eye], dim=-1)
             out = self.draft(
                 input_ids=self.d2t.map_tokens(ids)[None],
@@ -395,6 +399,8 @@ class TreeSizeChooser:
         self.accepted = 0.0
         self.predicted = 0.0
         self.draft_seconds = 0.0
+        self.draft_forwards = 0
+        self.round_seconds = 0.0
         self.rounds = 0
 
     def target_seconds(self, n: int) -> float:
@@ -434,7 +440,24 @@ class TreeSizeChooser:
                 best, best_rate = n, rate
         return best
 
-    def update(self, predicted: float, accepted: int, draft_seconds: float) -> None:
+    def should_expand(self, frontier_logp: torch.Tensor) -> bool:
+        """
+        Whether drafting one more tree level pays for itself: the children of the frontier can add at most
+        ``c * sum(exp(frontier_logp))`` expected tokens (a child's path probability never exceeds its parent's), for
+        the cost of one draft forward; expand while that beats the tokens per second of the rounds so far.
+
+        Args:
+            frontier_logp (`torch.FloatTensor`): cumulative log-probabilities of the nodes the level would expand.
+        """
+        if not self.rounds or not self.draft_forwards or self.round_seconds <= 0:
+            return True  # nothing measured yet
+        level_seconds = self.draft_seconds / self.draft_forwards
+        rate = (self.rounds + self.accepted) / self.round_seconds  # tokens per second so far
+        gain = self.calibration * float(frontier_logp.float().exp().sum())
+        return gain > level_seconds * rate
+
+    def update(self, predicted: float, accepted: int, draft_seconds: float, draft_forwards: int = 1,
+               round_seconds: float | None = None) -> None:
         """
         Record one round.
 
@@ -442,10 +465,15 @@ class TreeSizeChooser:
             predicted (`float`): the chosen tree's predicted accepted length (sum of its path probabilities).
             accepted (`int`): drafted tokens the target accepted.
             draft_seconds (`float`): time spent drafting the round.
+            draft_forwards (`int`): draft forwards in that time (the feed plus one per expanded level).
+            round_seconds (`float`, *optional*): the whole round (drafting and verification); default
+                ``draft_seconds``.
         """
         self.predicted += predicted
         self.accepted += accepted
         self.draft_seconds += draft_seconds
+        self.draft_forwards += draft_forwards
+        self.round_seconds += draft_seconds if round_seconds is None else round_seconds
         self.rounds += 1
 
 
@@ -681,7 +709,7 @@ def eagle3_tree_decoding(
             top_k, total = settings["top_k"], settings["total_tokens"]
             if total != "auto":
                 top_k, depth = min(top_k, total), min(depth, total)  # deeper or wider nodes could never be kept
-            candidates = drafter.expand(depth, top_k)
+            candidates = drafter.expand(depth, top_k, chooser.should_expand if chooser is not None else None)
             if chooser is not None:
                 key = Eagle3TreeDrafter.ranking_key(candidates[0], candidates[3]).sort(descending=True).values
                 probs = key.exp().tolist()
@@ -760,7 +788,9 @@ def eagle3_tree_decoding(
             logits_out += tuple(visited_logits[: len(valid)])
         run.stats.record(max(host[2]), kept)
         if chooser is not None:
-            chooser.update(predicted, len(accepted), draft_seconds)
+            levels = candidates[4] if depth >= 1 else 0
+            chooser.update(predicted, len(accepted), draft_seconds, draft_forwards=max(1, levels),
+                           round_seconds=time.perf_counter() - started)
         unfinished = not bool(stopping_criteria(input_ids, scores_out).all())
 
     if streamer is not None:

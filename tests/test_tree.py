@@ -215,6 +215,18 @@ def test_size_chooser():
     assert chooser.choose([0.9] * 40) <= 7
 
 
+def test_size_chooser_stops_expanding_when_a_level_cannot_pay():
+    chooser = td.TreeSizeChooser({1: 0.04, 64: 0.08})
+    assert chooser.should_expand(torch.log(torch.tensor([0.001])))  # nothing measured yet: expand
+    # 10 rounds of 0.05 s each (0.01 s drafting with 2 forwards), 1 accepted token per round: 40 tokens/s.
+    for _ in range(10):
+        chooser.update(predicted=1.0, accepted=1, draft_seconds=0.01, draft_forwards=2, round_seconds=0.05)
+    # One level costs 5 ms, i.e. 0.2 tokens at 40 tokens/s: expand only if the frontier holds more than that.
+    assert chooser.should_expand(torch.log(torch.tensor([0.3, 0.1])))
+    assert not chooser.should_expand(torch.log(torch.tensor([0.1, 0.05])))
+    assert not chooser.should_expand(torch.tensor([-float("inf"), -float("inf")]))
+
+
 class Recorder:
     def __init__(self):
         self.chunks, self.ended = [], 0
@@ -364,3 +376,22 @@ def test_smollm2_greedy_identity(smollm2):
         out = greedy(target, ids, max_new_tokens=24, assistant_model=oracle_draft, **tree(3, 5, 12))
         assert torch.equal(out, ref), text
         assert oracle_draft.last_stats.mean_acceptance_length > 2.5
+
+
+def test_auto_cuts_levels_that_cannot_pay_and_stays_lossless(monkeypatch):
+    """A random draft's deep levels are hopeless: "auto" stops expanding them, and the output is unchanged."""
+    target = target_of("llama")
+    ids = prompt(9, seed=11)
+    ref = greedy(target, ids, max_new_tokens=24)
+    levels = []
+    expand = td.Eagle3TreeDrafter.expand
+
+    def recording(self, depth, top_k, should_expand=None):
+        out = expand(self, depth, top_k, should_expand)
+        levels.append(out[4])
+        return out
+
+    monkeypatch.setattr(td.Eagle3TreeDrafter, "expand", recording)
+    out = greedy(target, ids, max_new_tokens=24, assistant_model=tiny_draft(target, seed=12), **tree(3, 5, "auto"))
+    assert torch.equal(out, ref)
+    assert levels[0] == 5 and min(levels) < 5  # the first round expands fully (nothing measured), later ones stop
