@@ -247,3 +247,48 @@ def test_prepare_is_resumable(tmp_path):
     expected = expected["input_ids"] if hasattr(expected, "keys") else expected
     rec = next(r for r in records if r["id"] == "p4")
     assert rec["prompt_ids"] == list(expected) and 1 <= len(rec["response_ids"]) <= 6
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_prepare_writes_the_features_cache_features_would(tmp_path, do_sample):
+    """Features captured during generation (left-padded batches) equal a separate cache_features pass."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from hf_eagle3.real_model import smollm2_path
+    from hf_eagle3.training.prepare import iter_records, prepare
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path()))
+    target = tiny_target("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["Hi?", "Tell me about the sea, the sky and the wind.", "Why?", "A much longer question " * 3]
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    out, fused = tmp_path / "data", tmp_path / "fused"
+    prepare(target, tok, prompts, out, max_new_tokens=7, batch_size=3, do_sample=do_sample, progress=False,
+            features_dir=fused, layer_ids=[0, 1, 1], feature_dtype=torch.float32, max_feature_prompt_tokens=6)
+    records = list(iter_records(out))
+    reference = cache_features(target, records, tmp_path / "ref", [0, 1, 1], per_shard=100, dtype=torch.float32,
+                               progress=False)
+    ref = {item["id"]: item for item in torch.load(reference[0], weights_only=False)}
+    shards = sorted(fused.glob("shard-*.pt"))
+    assert len(shards) == 2 and (fused / "target_head.pt").exists()
+    items = [item for path in shards for item in torch.load(path, weights_only=False)]
+    assert sorted(item["id"] for item in items) == ["p0", "p1", "p2", "p3"]
+    for item in items:
+        r = ref[item["id"]]
+        p = int(r["prompt_len"])
+        keep = min(p, 6)
+        n = len(item["input_ids"])
+        assert item["prompt_len"] == keep
+        assert n == len(r["input_ids"]) - p + keep - (0 if len(r["input_ids"]) - p < 7 else 1)  # unfed last token
+        span = slice(p - keep, p - keep + n)
+        assert torch.equal(item["input_ids"], r["input_ids"][span])
+        torch.testing.assert_close(item["features"], r["features"][span], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(item["last_hidden"], r["last_hidden"][span], atol=1e-4, rtol=1e-4)
+        assert torch.equal(item["target_argmax"], r["target_argmax"][span])
+    # generation itself is unchanged by the recording, and no hook stays behind
+    assert not any(layer._forward_pre_hooks for layer in target.model.layers) and not target.model._forward_hooks
+    with pytest.raises(ValueError, match="other layer ids"):
+        prepare(target, tok, prompts, tmp_path / "data2", max_new_tokens=2, progress=False, features_dir=fused,
+                layer_ids=[0, 1, 0])

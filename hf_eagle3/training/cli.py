@@ -41,6 +41,8 @@ def cmd_prepare(args) -> None:
         do_sample=args.do_sample,
         temperature=args.temperature,
         seed=args.seed,
+        features_dir=args.features_dir,
+        max_feature_prompt_tokens=args.max_feature_prompt_tokens,
     )
 
 
@@ -124,6 +126,11 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--features-dir", default=None,
+                   help="also write the training features, captured during generation (saves `train` the feature "
+                   "pass: give it --features-dir DIR --skip-features)")
+    p.add_argument("--max-feature-prompt-tokens", type=int, default=256,
+                   help="prompt positions kept per record in the feature shards (default 256)")
     p.set_defaults(func=cmd_prepare)
 
     t = subparsers.add_parser("train", help="train an EAGLE-3 draft (training-time test) on prepared data")

@@ -4,6 +4,11 @@ Prompts come from a JSONL file (one ``{"id", "prompt"}`` object per line).  Each
 target's chat template and answered by the target (greedy by default), in batches with left padding.  Results go
 to ``out_dir/responses-*.jsonl`` as ``{"id", "prompt_ids", "response_ids"}``; a rerun skips prompts already done,
 so an interrupted run resumes where it stopped.
+
+With ``features_dir``, the same generation also writes the draft's training features (what
+:func:`hf_eagle3.training.features.cache_features` computes with a second pass over the data): the target computes
+every position's hidden states while it answers anyway, so hooks keep them, at the cost of one forward fewer per
+record. Each batch becomes one feature shard; the last token of a response (never fed back) is left out.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import os
 import time
 from pathlib import Path
 from typing import Iterable
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 
 def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
@@ -69,6 +77,10 @@ def prepare(
     temperature: float = 0.7,
     seed: int = 0,
     progress: bool = True,
+    features_dir: str | os.PathLike | None = None,
+    layer_ids: list[int] | None = None,
+    feature_dtype=None,
+    max_feature_prompt_tokens: int | None = None,
 ) -> Path:
     """Answer the prompts of ``prompts_path`` with ``model`` and store token ids in ``out_dir`` (resumable).
 
@@ -85,12 +97,14 @@ def prepare(
         temperature: sampling temperature when ``do_sample``.
         seed: sampling seed.
         progress: show a tqdm progress bar.
+        features_dir: also write feature shards (the format of ``cache_features``) there, captured during generation.
+        layer_ids: the three capture indices (input of layer i); default ``[2, N // 2, N - 3]``.
+        feature_dtype: storage dtype of the features (default bfloat16).
+        max_feature_prompt_tokens: keep only the last this-many prompt positions of each record in the shards.
 
     Returns:
         ``out_dir`` as a ``Path``.
     """
-    import torch
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = read_prompts(prompts_path, max_prompts)
@@ -125,37 +139,155 @@ def prepare(
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     n_tokens, t0 = 0, time.perf_counter()
-    with open(shard, "a") as f:
-        for batch in batches:
-            width = max(len(ids) for _, ids in batch)
-            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, (_, ids) in enumerate(batch):
-                input_ids[i, width - len(ids) :] = torch.tensor(ids)
-                mask[i, width - len(ids) :] = 1
-            with torch.inference_mode():
-                gen = model.generate(
-                    input_ids.to(device),
-                    attention_mask=mask.to(device),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=do_sample,
-                    temperature=temperature if do_sample else None,
-                    top_p=None,
-                    top_k=None,
-                    pad_token_id=pad,
-                )
-            for i, (pid, ids) in enumerate(batch):
-                resp = gen[i, width:].tolist()
-                for j, t in enumerate(resp):
-                    if t in eos:
-                        resp = resp[: j + 1]
-                        break
-                n_tokens += len(resp)
-                f.write(json.dumps({"id": pid, "prompt_ids": ids, "response_ids": resp}) + "\n")
-            f.flush()
-            if bar is not None:
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.1f}")
+    recorder = None
+    if features_dir is not None:
+        recorder = _GenerationFeatureRecorder(model, features_dir, layer_ids, feature_dtype or torch.bfloat16,
+                                              max_feature_prompt_tokens)
+    try:
+        with open(shard, "a") as f:
+            for batch in batches:
+                width = max(len(ids) for _, ids in batch)
+                input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for i, (_, ids) in enumerate(batch):
+                    input_ids[i, width - len(ids) :] = torch.tensor(ids)
+                    mask[i, width - len(ids) :] = 1
+                extra = {"logits_processor": LogitsProcessorList([recorder])} if recorder is not None else {}
+                with torch.inference_mode():
+                    if recorder is not None:
+                        recorder.start()
+                    gen = model.generate(
+                        input_ids.to(device),
+                        attention_mask=mask.to(device),
+                        max_new_tokens=max_new_tokens,
+                        do_sample=do_sample,
+                        temperature=temperature if do_sample else None,
+                        top_p=None,
+                        top_k=None,
+                        pad_token_id=pad,
+                        **extra,
+                    )
+                rows = []
+                for i, (pid, ids) in enumerate(batch):
+                    resp = gen[i, width:].tolist()
+                    for j, t in enumerate(resp):
+                        if t in eos:
+                            resp = resp[: j + 1]
+                            break
+                    n_tokens += len(resp)
+                    rows.append({"id": pid, "prompt_ids": ids, "response_ids": resp})
+                if recorder is not None:  # the shard first: a crash in between regenerates the batch, never loses it
+                    with torch.inference_mode():
+                        recorder.write_shard(rows, width)
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+                f.flush()
+                if bar is not None:
+                    bar.update(len(batch))
+                    bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.1f}")
+    finally:
+        if recorder is not None:
+            recorder.close()
     if bar is not None:
         bar.close()
     return out
+
+
+class _GenerationFeatureRecorder(LogitsProcessor):
+    """Keeps, at every decoding step of a batched ``generate``, the step's captured features, final hidden states
+    and the argmax of the scores (a logits processor that changes nothing), and writes them as a feature shard.
+
+    Args:
+        model: the target.
+        features_dir: where the shards go (with ``target_head.pt`` and ``meta.json``).
+        layer_ids: the three capture indices, or ``None`` for ``[2, N // 2, N - 3]``.
+        dtype: storage dtype.
+        max_prompt_tokens: prompt positions kept per record (the last ones), or ``None`` for all.
+    """
+
+    def __init__(self, model, features_dir, layer_ids, dtype, max_prompt_tokens):
+        from ..feature_capture import Eagle3FeatureCapture, find_decoder_layers
+        from .features import save_target_head
+
+        self.out = Path(features_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        n = len(find_decoder_layers(model))
+        self.layer_ids = list(layer_ids) if layer_ids is not None else [min(2, n - 1), n // 2, max(n - 3, 0)]
+        meta = self.out / "meta.json"
+        if meta.exists() and json.loads(meta.read_text()).get("layer_ids") != self.layer_ids:
+            raise ValueError(f"{meta} was written with other layer ids than {self.layer_ids}: use another features_dir.")
+        if not (self.out / "target_head.pt").exists():
+            save_target_head(model, self.out)
+        meta.write_text(json.dumps({"layer_ids": self.layer_ids}))
+        self.model, self.dtype, self.max_prompt_tokens = model, dtype, max_prompt_tokens
+        self.lm_head = model.get_output_embeddings()
+        self.capture = Eagle3FeatureCapture(model, self.layer_ids).install()
+        self._final = None
+        self._handle = model.base_model.register_forward_hook(self._keep_final)
+        self.start()
+
+    def _keep_final(self, module, args, output):
+        hidden = output[0] if isinstance(output, (tuple, list)) else output.last_hidden_state
+        self._final = hidden.detach()
+
+    def start(self) -> None:
+        """Forget the previous batch."""
+        self.features, self.finals, self.argmax = [], [], []
+        self.capture.clear()
+
+    def __call__(self, input_ids, scores):
+        feats = self.capture.features(device="cpu", dtype=self.dtype)
+        if feats is None or self._final is None:
+            raise RuntimeError("the feature hooks saw no forward before this decoding step")
+        self.features.append(feats)
+        self.finals.append(self._final.to(device="cpu", dtype=self.dtype))
+        self.argmax.append(scores.argmax(-1).cpu())
+        self.capture.clear()
+        self._final = None
+        return scores
+
+    def write_shard(self, rows: list[dict], width: int) -> Path:
+        """Write the batch's records (``rows``, left padded to ``width`` prompt positions) as the next shard."""
+        feats = torch.cat(self.features, dim=1)  # positions 0 .. width + steps - 2 (the last token is never fed)
+        finals = torch.cat(self.finals, dim=1)
+        step_argmax = torch.stack(self.argmax, dim=1)  # argmax at positions width - 1 .. width + steps - 2
+        fed = feats.shape[1]
+        items = []
+        for i, row in enumerate(rows):
+            p = len(row["prompt_ids"])
+            seq = row["prompt_ids"] + row["response_ids"]
+            pad = width - p
+            n = min(len(seq), fed - pad)  # positions with features
+            keep = p if self.max_prompt_tokens is None else min(p, self.max_prompt_tokens)
+            first = p - keep
+            span = slice(pad + first, pad + n)
+            final = finals[i, span]
+            # argmax at row position t >= p - 1 comes from decoding step t - (p - 1); before that, from the
+            # prompt positions' final hidden states (generate computes no logits there).
+            pos = torch.arange(first, n)
+            stepped = pos >= p - 1
+            argmax = torch.empty(n - first, dtype=torch.int32)
+            argmax[stepped] = step_argmax[i, pos[stepped] - (p - 1)].to(torch.int32)
+            if not bool(stepped.all()):
+                head = self.lm_head.weight
+                logits = self.lm_head(final[~stepped].to(head.device, head.dtype))
+                argmax[~stepped] = logits.argmax(-1).to(torch.int32).cpu()
+            items.append({
+                "id": row["id"],
+                "input_ids": torch.tensor(seq[first:n], dtype=torch.int32),
+                "prompt_len": keep,
+                "features": feats[i, span].clone(),
+                "last_hidden": final.clone(),
+                "target_argmax": argmax,
+            })
+        path = self.out / f"shard-{len(list(self.out.glob('shard-*.pt'))):05d}.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save(items, tmp)
+        tmp.replace(path)
+        self.start()
+        return path
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        self.capture.remove()
+        self._handle.remove()
