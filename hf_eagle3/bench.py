@@ -630,12 +630,15 @@ def plot_report(report: dict, path: str | os.PathLike) -> None:
             groups.setdefault((r["family"], r["mode"]), []).append(r)
     for (family, mode), rows in groups.items():
         style = "-" if mode == "greedy" else "--"
-        if len(rows) > 1:
-            rows = sorted(rows, key=lambda r: r["k"])
-            ax1.plot([r["k"] for r in rows], [r["speedup"] for r in rows], style, marker="o", label=f"{family} ({mode})")
-        else:
-            ax1.axhline(rows[0]["speedup"], linestyle=":" if mode == "greedy" else "-.", color="gray",
-                        label=f"{rows[0]['strategy']} ({mode})")
+        sized = sorted((r for r in rows if isinstance(r["k"], int)), key=lambda r: r["k"])
+        others = [r for r in rows if not isinstance(r["k"], int)]  # e.g. tree_total_tokens="auto"
+        if len(sized) == 1:
+            others, sized = sized + others, []
+        if sized:
+            ax1.plot([r["k"] for r in sized], [r["speedup"] for r in sized], style, marker="o", label=f"{family} ({mode})")
+        for r in others:
+            ax1.axhline(r["speedup"], linestyle=":" if mode == "greedy" else "-.", color="gray",
+                        label=f"{r['strategy']} ({mode})")
     ax1.axhline(1.0, color="black", linewidth=0.8, label="plain generate")
     ax1.set_xlabel("draft length k")
     ax1.set_ylabel("speed-up over plain generate")

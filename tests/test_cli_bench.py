@@ -191,12 +191,13 @@ def test_parse_tree_shapes():
     assert args.tree_shapes == "2x2x3"
 
 
-def test_run_bench_custom_tree_shapes():
+def test_run_bench_custom_tree_shapes(tmp_path):
     target = tiny_target("llama")
     draft = tiny_draft(target)
     report = bench.run_bench(target, draft, ByteTokenizer(), ["abc abc"], max_new_tokens=5, ks=(2,), temperature=0,
                              families=["eagle3_tree"], tree_shapes=((2, 2, 3), (2, 3, "auto")), progress=False,
-                             cost_sizes=(1, 2))
+                             cost_sizes=(1, 2), out_dir=tmp_path / "out")
+    assert (tmp_path / "out" / "bench.png").stat().st_size > 0  # "auto" rows plot too
     assert [r["strategy"] for r in report["results"]] == ["plain", "eagle3-tree k=2 d=2 n=3",
                                                           "eagle3-tree k=2 d=3 n=auto"]
     assert report["greedy_identical"] is True
