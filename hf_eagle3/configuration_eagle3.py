@@ -14,6 +14,16 @@ from transformers import PreTrainedConfig
 FLAT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle", "Eagle3DraftModel")
 
 
+def default_feature_layer_ids(num_target_layers: int) -> list[int]:
+    """The reference EAGLE-3 capture indices ``[2, N // 2, N - 3]`` (inputs of those layers), clipped for tiny targets.
+
+    Args:
+        num_target_layers (`int`): number of decoder layers N of the target.
+    """
+    n = num_target_layers
+    return [min(2, n - 1), n // 2, max(n - 3, 0)]
+
+
 class Eagle3Config(PreTrainedConfig):
     r"""
     Configuration of an EAGLE-3 draft model: one Llama-style decoder layer that reads three hidden states of a target
@@ -126,7 +136,7 @@ class Eagle3Config(PreTrainedConfig):
         n = num_target_layers
         ids = self.feature_layer_ids
         if ids is None:
-            ids = [min(2, n - 1), n // 2, max(n - 3, 0)]
+            ids = default_feature_layer_ids(n)
         bad = [i for i in ids if not 0 <= i < n]
         if bad:
             raise ValueError(

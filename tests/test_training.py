@@ -292,3 +292,8 @@ def test_prepare_writes_the_features_cache_features_would(tmp_path, do_sample):
     with pytest.raises(ValueError, match="other layer ids"):
         prepare(target, tok, prompts, tmp_path / "data2", max_new_tokens=2, progress=False, features_dir=fused,
                 layer_ids=[0, 1, 0])
+    with pytest.raises(ValueError, match="out of range"):  # refused before any file is written
+        prepare(target, tok, prompts, tmp_path / "data3", max_new_tokens=2, progress=False,
+                features_dir=tmp_path / "bad", layer_ids=[0, 1, 99])
+    assert not (tmp_path / "bad").exists()
+    assert not any(layer._forward_pre_hooks for layer in target.model.layers) and not target.model._forward_hooks

@@ -64,8 +64,10 @@ def cmd_train(args) -> None:
     features_dir = Path(args.features_dir or out / "features")
     if not args.skip_features:
         target, _ = load_target(args.target, args.feature_dtype, tokenizer=False)
-        n_layers = len(__import__("hf_eagle3").find_decoder_layers(target))
-        layer_ids = [min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)]
+        from ..configuration_eagle3 import default_feature_layer_ids
+        from ..feature_capture import find_decoder_layers
+
+        layer_ids = default_feature_layer_ids(len(find_decoder_layers(target)))
         cache_features(target, records, features_dir, layer_ids, per_shard=args.per_shard, batch_size=args.feature_batch,
                        max_prompt_tokens=args.max_prompt_context, complete_shards_only=args.complete_shards_only)
         del target

@@ -139,10 +139,11 @@ def prepare(
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     n_tokens, t0 = 0, time.perf_counter()
-    recorder = None
+    recorder, extra = None, {}
     if features_dir is not None:
         recorder = _GenerationFeatureRecorder(model, features_dir, layer_ids, feature_dtype or torch.bfloat16,
                                               max_feature_prompt_tokens)
+        extra = {"logits_processor": LogitsProcessorList([recorder])}
     try:
         with open(shard, "a") as f:
             for batch in batches:
@@ -152,7 +153,6 @@ def prepare(
                 for i, (_, ids) in enumerate(batch):
                     input_ids[i, width - len(ids) :] = torch.tensor(ids)
                     mask[i, width - len(ids) :] = 1
-                extra = {"logits_processor": LogitsProcessorList([recorder])} if recorder is not None else {}
                 with torch.inference_mode():
                     if recorder is not None:
                         recorder.start()
@@ -206,24 +206,32 @@ class _GenerationFeatureRecorder(LogitsProcessor):
     """
 
     def __init__(self, model, features_dir, layer_ids, dtype, max_prompt_tokens):
+        from ..configuration_eagle3 import default_feature_layer_ids
         from ..feature_capture import Eagle3FeatureCapture, find_decoder_layers
         from .features import save_target_head
 
+        if layer_ids is None:
+            layer_ids = default_feature_layer_ids(len(find_decoder_layers(model)))
+        self.layer_ids = list(layer_ids)
+        self.capture = Eagle3FeatureCapture(model, self.layer_ids)  # checks the ids before anything is written
         self.out = Path(features_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        n = len(find_decoder_layers(model))
-        self.layer_ids = list(layer_ids) if layer_ids is not None else [min(2, n - 1), n // 2, max(n - 3, 0)]
         meta = self.out / "meta.json"
         if meta.exists() and json.loads(meta.read_text()).get("layer_ids") != self.layer_ids:
             raise ValueError(f"{meta} was written with other layer ids than {self.layer_ids}: use another features_dir.")
+        self.out.mkdir(parents=True, exist_ok=True)
         if not (self.out / "target_head.pt").exists():
             save_target_head(model, self.out)
         meta.write_text(json.dumps({"layer_ids": self.layer_ids}))
-        self.model, self.dtype, self.max_prompt_tokens = model, dtype, max_prompt_tokens
+        self.dtype, self.max_prompt_tokens = dtype, max_prompt_tokens
         self.lm_head = model.get_output_embeddings()
-        self.capture = Eagle3FeatureCapture(model, self.layer_ids).install()
         self._final = None
-        self._handle = model.base_model.register_forward_hook(self._keep_final)
+        self._handle = None
+        try:
+            self.capture.install()
+            self._handle = model.base_model.register_forward_hook(self._keep_final)
+        except BaseException:
+            self.close()
+            raise
         self.start()
 
     def _keep_final(self, module, args, output):
@@ -290,4 +298,6 @@ class _GenerationFeatureRecorder(LogitsProcessor):
     def close(self) -> None:
         """Remove the hooks."""
         self.capture.remove()
-        self._handle.remove()
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..configuration_eagle3 import Eagle3Config
+from ..configuration_eagle3 import Eagle3Config, default_feature_layer_ids
 from ..modeling_eagle3 import Eagle3DraftModel
 
 
@@ -340,7 +340,7 @@ def draft_config_for_target(head_config: dict, draft_vocab_size: int, **override
         rms_norm_eps=head_config["rms_norm_eps"],
         max_position_embeddings=head_config["max_position_embeddings"],
         target_hidden_size=head_config["hidden_size"],
-        feature_layer_ids=[min(2, n - 1), n // 2, max(n - 3, 0)],
+        feature_layer_ids=default_feature_layer_ids(n),
         target_model_type=head_config.get("model_type"),
         target_name_or_path=head_config.get("name_or_path"),
     )
