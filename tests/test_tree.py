@@ -323,14 +323,21 @@ def plain_samples(n: int = 20000) -> list:
     return plain_continuations(target, PROMPT, n, **SAMPLING)
 
 
-def tree_samples(n: int, seed: int) -> tuple[list, float]:
+def tree_samples(n: int, seed: int, shape: dict = TREE) -> tuple[list, float]:
     target, draft = sampling_models()
-    return assisted_continuations(target, draft, PROMPT, n, seed, **SAMPLING, **TREE)
+    return assisted_continuations(target, draft, PROMPT, n, seed, **SAMPLING, **shape)
 
 
 def test_sampling_keeps_target_distribution():
     samples, accepted = tree_samples(500, seed=1000)
     assert accepted > 0.4, "the test needs drafts that are often accepted"
+    p = token_p_values(samples, plain_samples())
+    assert min(p.values()) > ALPHA / 2, p
+
+
+def test_sampling_with_auto_size_and_depth_keeps_target_distribution():
+    """"auto" changes each round's tree (size and depth); the recursive rejection sampling stays exact."""
+    samples, _ = tree_samples(500, seed=3000, shape=tree(4, 4, "auto"))
     p = token_p_values(samples, plain_samples())
     assert min(p.values()) > ALPHA / 2, p
 
