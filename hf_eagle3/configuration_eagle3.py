@@ -41,7 +41,8 @@ class Eagle3Config(PreTrainedConfig):
         rms_norm_eps (`float`): RMSNorm epsilon.
         max_position_embeddings (`int`): nominal context of the draft.
         rope_theta (`float`): RoPE base of the DRAFT (10000 when a checkpoint gives none).
-        draft_rope_scaling (`dict`, *optional*): RoPE scaling (``{"rope_type": "llama3" | "linear", ...}``).
+        draft_rope_scaling (`dict`, *optional*): RoPE scaling (``{"rope_type": "llama3" | "linear" | "yarn" | ..., ...}``;
+            any static scaling of Transformers' ``ROPE_INIT_FUNCTIONS``).
         attention_bias (`bool`), mlp_bias (`bool`): biases in the projections.
         target_hidden_size (`int`, *optional*): hidden size T of the target; defaults to ``hidden_size``.
         norm_before_residual (`bool`): take the residual after ``hidden_norm`` (some drafts) instead of before.

@@ -53,7 +53,12 @@ class Eagle3RMSNorm(nn.Module):
 
 def rope_inv_freq(config: Eagle3Config) -> torch.Tensor:
     """
-    Return the RoPE inverse frequencies of the draft (default, ``linear`` and ``llama3`` scaling built in).
+    Return the RoPE inverse frequencies of the draft.
+
+    ``default``, ``linear`` and ``llama3`` scaling are computed here; other static scalings that Transformers knows
+    (``yarn``, as in drafts exported for gpt-oss or DeepSeek targets, ``proportional``, ...) come from Transformers'
+    own RoPE initialisers, so they match what the target's modeling code computes. Scalings that depend on the
+    sequence length (``dynamic``, ``longrope``) are refused.
 
     Args:
         config (`Eagle3Config`): gives ``head_dim``, ``rope_theta`` and ``draft_rope_scaling``.
@@ -77,8 +82,49 @@ def rope_inv_freq(config: Eagle3Config) -> torch.Tensor:
         is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         inv = torch.where(is_mid, mid, scaled)
     elif kind not in ("default", None):
-        raise ValueError(f"rope_scaling type {kind!r} is not supported by the EAGLE-3 draft (default, linear, llama3)")
+        return _transformers_rope(config)[0]
     return inv.float()
+
+
+def rope_attention_scaling(config: Eagle3Config) -> float:
+    """
+    Return the factor RoPE scaling applies to ``cos`` and ``sin`` (1.0 except for scalings such as ``yarn``).
+
+    Args:
+        config (`Eagle3Config`): gives ``draft_rope_scaling``.
+    """
+    scaling = config.draft_rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) in ("default", None, "linear", "llama3"):
+        return 1.0
+    return float(_transformers_rope(config)[1])
+
+
+def _transformers_rope(config: Eagle3Config) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scaling)`` from Transformers' RoPE initialiser of ``config.draft_rope_scaling``."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(config.draft_rope_scaling)
+    kind = params.pop("type", None) or params.get("rope_type")
+    if kind in ("dynamic", "longrope") or kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(
+            f"rope_scaling type {kind!r} is not supported by the EAGLE-3 draft: supported are default, linear, "
+            f"llama3 and the static Transformers scalings ({', '.join(sorted(set(ROPE_INIT_FUNCTIONS) - {'dynamic', 'longrope'}))}). "
+            "Set `draft_rope_scaling` in the draft's config to one of them (drafts are trained on short contexts; "
+            "the scaling only matters beyond `original_max_position_embeddings`)."
+        )
+    params.update(rope_type=kind, rope_theta=config.rope_theta)
+    heads = config.num_attention_heads
+    llama = LlamaConfig(
+        hidden_size=heads * config.head_dim,
+        num_attention_heads=heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters=params,
+    )
+    with torch.device("cpu"):  # also when the model is being built on the meta device (from_pretrained)
+        inv, attention_scaling = ROPE_INIT_FUNCTIONS[kind](llama, torch.device("cpu"))
+    return inv.float(), attention_scaling
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -329,6 +375,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long), persistent=True)
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool), persistent=True)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.rope_attention_scaling = rope_attention_scaling(config)
         self._target_embedding = None
         self.last_stats = None
         self.cumulative_stats = None
@@ -441,7 +488,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         freqs = position_ids[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        scale = self.rope_attention_scaling
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """
@@ -654,6 +702,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 full[k] = val.float()
         self.load_state_dict(full, strict=True, assign=True)
         self.inv_freq = rope_inv_freq(self.config)
+        self.rope_attention_scaling = rope_attention_scaling(self.config)
 
 
 def convert_state_dict(state: dict, layout: str) -> dict:

@@ -242,6 +242,47 @@ def speculators_config(layer_ids=None, **overrides) -> dict:
     return cfg
 
 
+YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "original_max_position_embeddings": 64, "truncate": False}
+
+
+def test_flat_modelopt_layout_yarn_rope(tmp_path):
+    """Drafts exported by ModelOpt for gpt-oss-like targets: ``eagle_config`` layer ids, explicit head_dim and a
+    ``yarn`` rope_scaling; RoPE (frequencies and the cos/sin attention factor) must equal Transformers' own."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    native_cfg = Eagle3Config(vocab_size=V, draft_vocab_size=48, hidden_size=T, intermediate_size=96,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=150000.0,
+                              draft_rope_scaling=dict(YARN), max_position_embeddings=2048, feature_layer_ids=[1, 3, 4])
+    state = random_state(native_cfg, seed=6)
+    cfg = llama31_8b_config(head_dim=16, rope_theta=150000.0, rope_scaling=dict(YARN), torch_dtype="float32",
+                            eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 3], "use_aux_hidden_state": True})
+    draft = Eagle3DraftModel.from_pretrained(write_checkpoint(tmp_path / "modelopt", cfg, state))
+    assert draft.config.draft_rope_scaling["rope_type"] == "yarn" and draft.config.feature_layer_ids == [1, 3, 4]
+    assert draft.rope_attention_scaling > 1.0  # yarn scales cos/sin by 0.1 * ln(factor) + 1
+    reference = LlamaRotaryEmbedding(LlamaConfig(hidden_size=T, num_attention_heads=4, head_dim=16,
+                                                 max_position_embeddings=2048,
+                                                 rope_parameters=dict(YARN, rope_theta=150000.0)))
+    pos = torch.tensor([[0, 1, 63, 64, 500, 2000]])
+    cos_ref, sin_ref = reference(torch.zeros(1, 6, 16), pos)
+    cos, sin = draft.rope(pos, torch.float32)
+    torch.testing.assert_close(cos[:, 0], cos_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[:, 0], sin_ref, rtol=0, atol=1e-6)
+    assert_same_draft(draft, native_from_state(native_cfg, state))
+    assert torch.equal(proposals(draft)[1], target().generate(
+        torch.randint(4, V, (1, 9), generator=torch.Generator().manual_seed(9)), do_sample=False, max_new_tokens=12))
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope", "no-such-rope"])
+def test_unsupported_rope_scaling_is_refused_when_loading(tmp_path, kind):
+    state = random_state(llama31_native_config(), seed=1)
+    cfg = llama31_8b_config(rope_scaling={"rope_type": kind, "factor": 2.0, "original_max_position_embeddings": 64})
+    with pytest.raises(ValueError, match=f"rope_scaling type '{kind}' is not supported") as err:
+        Eagle3DraftModel.from_pretrained(write_checkpoint(tmp_path / kind, cfg, state))
+    assert "Set `draft_rope_scaling`" in str(err.value) and "yarn" in str(err.value)
+
+
 def test_speculators_layout(tmp_path):
     native_cfg = Eagle3Config(vocab_size=V, draft_vocab_size=48, hidden_size=T, intermediate_size=96,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
