@@ -44,3 +44,19 @@ def test_shipped_draft_is_lossless_and_accepts(smollm2):
         assert torch.equal(out, ref)
         total = draft.last_stats if total is None else total + draft.last_stats
     assert total.mean_acceptance_length >= ACCEPTANCE_FLOOR, total.report()
+
+
+@pytest.mark.slow
+def test_text_generation_pipeline_takes_the_draft(smollm2):
+    """``pipeline("text-generation")`` forwards ``assistant_model`` to ``generate``: same text, EAGLE-3 rounds run."""
+    from transformers import pipeline
+
+    model, tok = smollm2
+    draft = hf_eagle3.Eagle3DraftModel.from_pretrained(DRAFT)
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    chat = [{"role": "user", "content": "Give three tips for staying healthy."}]
+    plain = pipe(chat, max_new_tokens=32, do_sample=False)
+    draft.reset_stats()
+    assisted = pipe(chat, max_new_tokens=32, do_sample=False, assistant_model=draft)
+    assert assisted[0]["generated_text"] == plain[0]["generated_text"]
+    assert draft.cumulative_stats.num_drafts > 0 and draft.cumulative_stats.num_output_tokens == 32
