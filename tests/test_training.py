@@ -186,6 +186,57 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoint_resumes(tmp_path):
     assert torch.equal(out, ref)
 
 
+def test_a_draft_that_does_not_match_the_features_is_refused_before_any_work(tmp_path):
+    """Other layer ids (would train silently, then read the wrong layers at inference), another target's sizes,
+    and a missing features directory: a clear error, and no output directory left behind."""
+    import json
+
+    from hf_eagle3.training.cli import main
+    from hf_eagle3.training.trainer import check_draft_matches_features
+
+    target = tiny_target("llama")
+    records = _tiny_records(target, n=4, new=8)
+    feats = tmp_path / "features"
+    cache_features(target, records, feats, [1, 2, 4], per_shard=2, dtype=torch.float32, progress=False)
+    head = torch.load(feats / "target_head.pt", weights_only=False)
+    d2t, t2d = build_vocab_mapping(count_tokens(r["response_ids"] for r in records), 64, 256)
+    cfg = TrainConfig(max_steps=1, batch_tokens=256, mixed_precision="no")
+
+    default_ids = init_draft(draft_config_for_target(head["config"], 64), head, d2t, t2d)  # reads [2, 3, 3]
+    with pytest.raises(ValueError, match=r"captured at target layers \[1, 2, 4\] but the draft reads layers \[2, 3, 3\]") as err:
+        train(default_ids, feats, tmp_path / "run", cfg, log=lambda s: None)
+    assert "feature_layer_ids" in str(err.value) and not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="captured at target layers"):
+        evaluate(default_ids, feats)
+
+    wide = tiny_target("llama", hidden_size=32, num_attention_heads=4)
+    other = tiny_draft(wide, hidden_size=32, feature_layer_ids=[1, 2, 4])
+    with pytest.raises(ValueError, match="target hidden size 64 != draft target_hidden_size 32"):
+        check_draft_matches_features(other, feats)
+    matching = init_draft(draft_config_for_target(head["config"], 64, feature_layer_ids=[1, 2, 4]), head, d2t, t2d)
+    check_draft_matches_features(matching, feats)  # no error
+    with pytest.raises(FileNotFoundError, match="no target_head.pt"):
+        check_draft_matches_features(matching, tmp_path / "nothing")
+
+    # the CLI: --init-draft with a draft for other layers is refused before vocab.pt or a run directory is written
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "responses-00000.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    default_ids.save_pretrained(tmp_path / "init")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="captured at target layers"):
+        main(["train", "--data", str(data), "--out", str(out), "--skip-features", "--features-dir", str(feats),
+              "--init-draft", str(tmp_path / "init"), "--max-steps", "1", "--mixed-precision", "no"])
+    assert not (out / "vocab.pt").exists() and not (out / "run").exists()
+    # without --init-draft the new draft reads the layers the features were captured at
+    main(["train", "--data", str(data), "--out", str(out), "--skip-features", "--features-dir", str(feats),
+          "--draft-vocab-size", "64", "--max-steps", "1", "--batch-tokens", "256", "--mixed-precision", "no",
+          "--holdout-shards", "1"])
+    assert hf_eagle3.Eagle3DraftModel.from_pretrained(out / "draft").config.feature_layer_ids == [1, 2, 4]
+
+
 def test_train_cli_end_to_end_and_exports_reload(tmp_path):
     """`hf-eagle3 train`: vocab -> features -> TTT -> save; flat and speculators exports reload identically."""
     import json

@@ -71,21 +71,29 @@ def cmd_train(args) -> None:
         cache_features(target, records, features_dir, layer_ids, per_shard=args.per_shard, batch_size=args.feature_batch,
                        max_prompt_tokens=args.max_prompt_context, complete_shards_only=args.complete_shards_only)
         del target
+    if not (features_dir / "target_head.pt").exists():
+        raise SystemExit(f"{features_dir} holds no features (no target_head.pt): drop --skip-features, or point "
+                         "--features-dir at the directory `hf-eagle3 prepare --features-dir` wrote.")
     head = torch.load(features_dir / "target_head.pt", weights_only=False)
-    vocab_file = out / "vocab.pt"
-    if vocab_file.exists():
-        d2t, t2d = torch.load(vocab_file)
-    else:
-        counts = count_tokens(r["response_ids"] for r in records)
-        d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
-        torch.save((d2t, t2d), vocab_file)
-        print(f"draft vocab {args.draft_vocab_size}: covers {coverage(counts, d2t):.4f} of response tokens")
-    if args.init_draft:  # continue from a trained draft (its vocabulary mapping wins)
+    if args.init_draft:  # continue from a trained draft (its vocabulary mapping and layer ids win)
         from ..modeling_eagle3 import Eagle3DraftModel
+        from .trainer import check_draft_matches_features
 
         draft = Eagle3DraftModel.from_pretrained(args.init_draft, dtype=torch.float32)
+        check_draft_matches_features(draft, features_dir, head)  # before anything is written
     else:
-        draft = init_draft(draft_config_for_target(head["config"], args.draft_vocab_size), head, d2t, t2d)
+        vocab_file = out / "vocab.pt"
+        if vocab_file.exists():
+            d2t, t2d = torch.load(vocab_file)
+        else:
+            counts = count_tokens(r["response_ids"] for r in records)
+            d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
+            torch.save((d2t, t2d), vocab_file)
+            print(f"draft vocab {args.draft_vocab_size}: covers {coverage(counts, d2t):.4f} of response tokens")
+        meta = features_dir / "meta.json"
+        layer_ids = json.loads(meta.read_text()).get("layer_ids") if meta.exists() else None
+        overrides = {"feature_layer_ids": list(layer_ids)} if layer_ids else {}  # the layers the features come from
+        draft = init_draft(draft_config_for_target(head["config"], args.draft_vocab_size, **overrides), head, d2t, t2d)
     cfg = TrainConfig(
         ttt_length=args.ttt_length, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
         warmup_steps=args.warmup_steps, max_prompt_context=args.max_prompt_context,

@@ -372,6 +372,44 @@ def _lr_factor(step: int, progress: float, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def check_draft_matches_features(draft: Eagle3DraftModel, features_dir, head: dict | None = None) -> None:
+    """Raise a ``ValueError`` naming the fix when ``draft`` cannot be trained on the features in ``features_dir``.
+
+    A draft trained on features of other layers than its ``feature_layer_ids`` would train without error and then
+    read the wrong layers at inference, so the layer ids are checked as well as the sizes.
+
+    Args:
+        draft: the draft to train.
+        features_dir: directory from :func:`~hf_eagle3.training.features.cache_features` or
+            ``prepare(..., features_dir=)`` (``target_head.pt``, ``meta.json``).
+        head: ``target_head.pt`` already loaded (read from ``features_dir`` when not given).
+    """
+    root = Path(features_dir)
+    if not (root / "target_head.pt").exists():
+        raise FileNotFoundError(f"{root} has no target_head.pt: write the features with `hf-eagle3 prepare "
+                                "--features-dir` or cache_features first.")
+    head = head if head is not None else torch.load(root / "target_head.pt", weights_only=False)
+    tc, c = head["config"], draft.config
+    problems = []
+    if tc["vocab_size"] != c.vocab_size:
+        problems.append(f"target vocabulary {tc['vocab_size']} != draft vocab_size {c.vocab_size}")
+    if tc["hidden_size"] != c.target_hidden_size:
+        problems.append(f"target hidden size {tc['hidden_size']} != draft target_hidden_size {c.target_hidden_size}")
+    meta = root / "meta.json"
+    if meta.exists():
+        feature_ids = json.loads(meta.read_text()).get("layer_ids")
+        draft_ids = c.feature_layer_ids or default_feature_layer_ids(tc["num_hidden_layers"])
+        if feature_ids is not None and list(feature_ids) != list(draft_ids):
+            problems.append(f"features captured at target layers {list(feature_ids)} but the draft reads layers "
+                            f"{list(draft_ids)} (feature_layer_ids)")
+    if problems:
+        raise ValueError(
+            f"The draft does not match the features in {root} ({tc.get('name_or_path') or tc.get('model_type')}): "
+            + "; ".join(problems) + ". Train a new draft for this target (omit --init-draft), set the draft's "
+            "feature_layer_ids to the features' layer ids, or write features for the draft's target and layers."
+        )
+
+
 def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | None = None, log=print):
     """Train ``draft`` on the feature shards in ``features_dir``; checkpoints (and resume) in ``out_dir``.
 
@@ -391,11 +429,13 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     from accelerate import Accelerator
 
     cfg = cfg or TrainConfig()
+    head = torch.load(Path(features_dir) / "target_head.pt", weights_only=False) \
+        if (Path(features_dir) / "target_head.pt").exists() else None
+    check_draft_matches_features(draft, features_dir, head)  # before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision if cfg.mixed_precision != "no" else "no", cpu=not torch.cuda.is_available())
-    head = torch.load(Path(features_dir) / "target_head.pt", weights_only=False)
     embed = torch.nn.Embedding.from_pretrained(head["embed_tokens"], freeze=True)
     used = torch.arange(draft.config.draft_vocab_size) + draft.d2t.cpu()
     lm_rows = head["lm_head"][used]
@@ -510,6 +550,7 @@ def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int
         ``{"acc": [...], "loss": [...], "count": ...}`` averaged over counted positions.
     """
     head = torch.load(Path(features_dir) / "target_head.pt", weights_only=False)
+    check_draft_matches_features(draft, features_dir, head)
     embed = torch.nn.Embedding.from_pretrained(head["embed_tokens"], freeze=True)
     draft._target_embedding = (embed,)
     used = torch.arange(draft.config.draft_vocab_size) + draft.d2t.cpu()
