@@ -59,6 +59,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def load_categories(dataset: str | None) -> list:
+    """The ``category`` field of each non-empty line of ``dataset`` (``None`` where absent), in file order, so that it
+    lines up with ``hf_eagle3.bench.load_prompts``; ``[]`` without a dataset.
+
+    Args:
+        dataset: a JSON-lines file (MT-bench ``question.jsonl`` layout), or ``None``.
+    """
+    import json
+
+    if dataset is None:
+        return []
+    with open(dataset, encoding="utf-8") as f:
+        return [json.loads(line).get("category") for line in f if line.strip()]
+
+
+def acceptance_by_category(categories: list, stats: list) -> dict:
+    """Sum the per-prompt statistics of each category.
+
+    Args:
+        categories: one category (or ``None``) per prompt.
+        stats: one ``Eagle3Stats`` per prompt (``draft.last_stats`` after its ``generate``).
+
+    Returns:
+        ``{category: (Eagle3Stats summed over its prompts, number of prompts)}`` in first-seen order; prompts
+        without a category are left out.
+    """
+    out = {}
+    for category, s in zip(categories, stats):
+        if category is None or s is None:
+            continue
+        total, n = out.get(category, (None, 0))
+        out[category] = (s if total is None else total + s, n + 1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the example.
 
@@ -75,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from hf_eagle3.bench import encode_prompt, load_draft, load_prompts, load_target
 
-    prompts = load_prompts(args.dataset, None)[:: max(1, args.prompt_stride)][: args.num_prompts]
+    stride = max(1, args.prompt_stride)
+    prompts = load_prompts(args.dataset, None)[::stride][: args.num_prompts]
+    categories = load_categories(args.dataset)[::stride][: args.num_prompts]
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     draft, draft_name, _ = load_draft(args.draft, target)
     k = args.num_spec_tokens or draft.generation_config.num_assistant_tokens
@@ -86,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
 
     draft.reset_stats()
-    outputs = []
+    outputs, per_prompt = [], []
     input_tokens = output_tokens = 0
     start = time.perf_counter()
     bar = tqdm(prompts, desc="Processed prompts", unit="prompt")
@@ -96,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
                               num_assistant_tokens=k, num_assistant_tokens_schedule="constant", **gen)
         new = out[0, ids.shape[1]:]
+        per_prompt.append(draft.last_stats)
         outputs.append(tokenizer.decode(new, skip_special_tokens=True))
         input_tokens += ids.shape[1]
         output_tokens += new.shape[0]
@@ -108,12 +146,20 @@ def main(argv: list[str] | None = None) -> int:
         print("-" * 50)
         print(f"prompt: {prompt}\ngenerated text: {text}")
     print(draft.cumulative_stats.report())
+    by_category = acceptance_by_category(categories, per_prompt)
+    if by_category:
+        print("mean acceptance length by category:")
+        for category, (s, n) in by_category.items():
+            rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate_per_position)
+            print(f"  {category:<12} {s.mean_acceptance_length:.2f}  ({n} prompts; per token {rates})")
     if args.json_out:
         import json
 
         stats = draft.cumulative_stats.to_dict()
         stats.update(prompts=len(prompts), num_spec_tokens=k, max_new_tokens=args.max_new_tokens,
                      temperature=args.temperature, draft=draft_name, output_tokens_per_s=output_tokens / elapsed)
+        stats["by_category"] = {c: dict(s.to_dict(), prompts=n) for c, (s, n) in by_category.items()}
+        stats["per_prompt_mean_acceptance_length"] = [s.mean_acceptance_length if s else None for s in per_prompt]
         with open(args.json_out, "w") as f:
             json.dump(stats, f, indent=2)
     return 0

@@ -202,3 +202,24 @@ def test_run_bench_custom_tree_shapes(tmp_path):
                                                           "eagle3-tree k=2 d=3 n=auto"]
     assert report["greedy_identical"] is True
     assert report["settings"]["tree_shapes"] == [[2, 2, 3], [2, 3, "auto"]]
+
+
+def test_example_acceptance_by_category(tmp_path):
+    from hf_eagle3 import Eagle3Stats
+
+    example = load_example()
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"category": "math", "turns": ["a"]}\n\n{"category": "coding", "turns": ["b"]}\n'
+                    '{"turns": ["c"]}\n{"category": "math", "turns": ["d"]}\n')
+    categories = example.load_categories(str(data))
+    assert categories == ["math", "coding", None, "math"] and len(categories) == len(bench.load_prompts(str(data)))
+    assert example.load_categories(None) == []
+    one = Eagle3Stats(num_drafts=2, drafted_per_position=[2, 2], accepted_per_position=[2, 1])  # 1 + 3/2
+    two = Eagle3Stats(num_drafts=2, drafted_per_position=[2, 1], accepted_per_position=[0, 0])  # 1
+    three = Eagle3Stats(num_drafts=4, drafted_per_position=[4], accepted_per_position=[4])
+    by = example.acceptance_by_category(categories, [one, three, two, two])
+    assert list(by) == ["math", "coding"]
+    math, n = by["math"]
+    assert n == 2 and math.num_drafts == 4 and math.mean_acceptance_length == 1.75
+    assert math.acceptance_rate_per_position == [0.5, 0.25]
+    assert by["coding"][0].mean_acceptance_length == 2.0 and by["coding"][1] == 1
