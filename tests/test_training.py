@@ -237,6 +237,59 @@ def test_a_draft_that_does_not_match_the_features_is_refused_before_any_work(tmp
     assert hf_eagle3.Eagle3DraftModel.from_pretrained(out / "draft").config.feature_layer_ids == [1, 2, 4]
 
 
+@pytest.mark.parametrize("max_minutes", [0.0, 0.04])
+def test_data_parallel_training_on_two_processes(tmp_path, max_minutes):
+    """Two processes (torchrun, gloo on CPU, as ``accelerate launch`` on GPUs): each trains on its own half of every
+    round of batches, both end with the same weights (also when a time budget, read off each machine's clock, ends
+    training), and only one process writes the log and the checkpoint."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ddp_train_worker import fingerprint
+
+    from hf_eagle3.training.trainer import FeatureShards
+
+    target = tiny_target("llama")
+    feats = tmp_path / "features"
+    cache_features(target, _tiny_records(target, n=20, new=16), feats, [2, 3, 3], per_shard=4, dtype=torch.float32,
+                   progress=False)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(Path(__file__).parent / "ddp_train_worker.py"), str(feats), str(out),
+           str(max_minutes)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert len(r0["seen"]) == len(r1["seen"]) > 0
+    for k, v in r0["state"].items():
+        assert torch.equal(v, r1["state"][k]), k
+    data = FeatureShards(feats, 256, 256, holdout_shards=1)
+    expected = ([], [])  # every epoch: rank 0 takes batches 0, 2, 4, ..., rank 1 batches 1, 3, 5, ...
+    for epoch in range(len(r0["seen"]) + 1):
+        batches = [fingerprint(items) for _, _, items in data.batches(epoch)]
+        rounds = len(batches) // 2
+        expected[0].extend(batches[0 : 2 * rounds : 2])
+        expected[1].extend(batches[1 : 2 * rounds : 2])
+    assert r0["seen"] == expected[0][: len(r0["seen"])] and r1["seen"] == expected[1][: len(r1["seen"])]
+    steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(r0["seen"]) + 1))  # one writer
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert state["step"] == len(r0["seen"])
+    for k, v in state["model"].items():
+        assert torch.equal(v, r0["state"][k]), k
+    if not max_minutes:  # 2 epochs, an incomplete last round left out
+        assert len(r0["seen"]) == 2 * (data.num_batches() // 2)
+
+
 def test_train_cli_end_to_end_and_exports_reload(tmp_path):
     """`hf-eagle3 train`: vocab -> features -> TTT -> save; flat and speculators exports reload identically."""
     import json

@@ -62,7 +62,12 @@ def cmd_train(args) -> None:
         records = records[: args.max_records]
     print(f"{len(records)} records from {args.data}")
     features_dir = Path(args.features_dir or out / "features")
-    if not args.skip_features:
+    # Under `accelerate launch` / torchrun: the main process caches the features and builds the vocabulary, the
+    # others wait and read them; training is data parallel; only the main process saves.
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    if not args.skip_features and state.is_main_process:
         target, _ = load_target(args.target, args.feature_dtype, tokenizer=False)
         from ..configuration_eagle3 import default_feature_layer_ids
         from ..feature_capture import find_decoder_layers
@@ -71,6 +76,7 @@ def cmd_train(args) -> None:
         cache_features(target, records, features_dir, layer_ids, per_shard=args.per_shard, batch_size=args.feature_batch,
                        max_prompt_tokens=args.max_prompt_context, complete_shards_only=args.complete_shards_only)
         del target
+    state.wait_for_everyone()
     if not (features_dir / "target_head.pt").exists():
         raise SystemExit(f"{features_dir} holds no features (no target_head.pt): drop --skip-features, or point "
                          "--features-dir at the directory `hf-eagle3 prepare --features-dir` wrote.")
@@ -83,13 +89,13 @@ def cmd_train(args) -> None:
         check_draft_matches_features(draft, features_dir, head)  # before anything is written
     else:
         vocab_file = out / "vocab.pt"
-        if vocab_file.exists():
-            d2t, t2d = torch.load(vocab_file)
-        else:
+        if not vocab_file.exists() and state.is_main_process:
             counts = count_tokens(r["response_ids"] for r in records)
             d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
             torch.save((d2t, t2d), vocab_file)
             print(f"draft vocab {args.draft_vocab_size}: covers {coverage(counts, d2t):.4f} of response tokens")
+        state.wait_for_everyone()
+        d2t, t2d = torch.load(vocab_file)
         meta = features_dir / "meta.json"
         layer_ids = json.loads(meta.read_text()).get("layer_ids") if meta.exists() else None
         overrides = {"feature_layer_ids": list(layer_ids)} if layer_ids else {}  # the layers the features come from
@@ -104,6 +110,8 @@ def cmd_train(args) -> None:
     t0 = time.time()
     draft = train(draft, features_dir, out / "run", cfg)
     minutes = (time.time() - t0) / 60
+    if not state.is_main_process:  # the main process holds the same weights and saves them
+        return
     metrics = evaluate(draft, features_dir, ttt_length=args.ttt_length) if args.holdout_shards else {}
     save_dir = Path(args.save_dir or out / "draft")
     dtype = getattr(torch, args.save_dtype)

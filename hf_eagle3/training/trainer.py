@@ -12,6 +12,7 @@ The same code runs on one CPU and on one or many GPUs through ``accelerate``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -176,6 +177,25 @@ def ttt_loss(
         stats["loss"].append(float(step_loss.detach()))
         stats["acc"].append(float(acc))
     return total, stats
+
+
+class TTTObjective(torch.nn.Module):
+    """The TTT loss as a module: data-parallel wrappers (DDP through ``accelerate``) synchronise gradients only for
+    work done inside their ``forward``, and the loss calls the draft ``ttt_length`` times plus its LM head.
+
+    Args:
+        draft: the draft being trained (bound to an embedding).
+        ttt_length: unrolled draft steps.
+    """
+
+    def __init__(self, draft: Eagle3DraftModel, ttt_length: int):
+        super().__init__()
+        self.draft = draft
+        self.ttt_length = ttt_length
+
+    def forward(self, features, input_ids, target_logits, loss_mask):
+        """Return ``ttt_loss(draft, ...)``: the loss and the per-step statistics."""
+        return ttt_loss(self.draft, features, input_ids, target_logits, loss_mask, self.ttt_length)
 
 
 # ----------------------------------------------------------------------------------------------------- data
@@ -416,6 +436,11 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     The target's embedding (frozen) comes from ``features_dir/target_head.pt``. A rerun with the same
     ``out_dir`` resumes from ``out_dir/checkpoint.pt`` (model, optimiser, schedule and data position).
 
+    Launched on several processes (``accelerate launch --num_processes N``, ``torchrun``), every process reads the
+    same shuffled batch order and takes one batch of each round of N (data parallel: one optimiser step = N batches),
+    the main process's clock drives the schedule and the time budget everywhere, and only the main process writes
+    checkpoints and the log. Resume with the same number of processes.
+
     Args:
         draft: a draft from :func:`init_draft` (or loaded).
         features_dir: directory from :func:`cache_features`.
@@ -427,6 +452,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
         The trained draft (unwrapped, on CPU).
     """
     from accelerate import Accelerator
+    from accelerate.utils import broadcast
 
     cfg = cfg or TrainConfig()
     head = torch.load(Path(features_dir) / "target_head.pt", weights_only=False) \
@@ -441,18 +467,29 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     lm_rows = head["lm_head"][used]
     t2d = draft.t2d.cpu().bool()
     data = FeatureShards(features_dir, cfg.batch_tokens, cfg.max_prompt_context, cfg.holdout_shards, cfg.seed)
+    world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
     # with a time budget the schedule follows the clock: no need to read every shard to count batches
-    total_steps = 0 if cfg.max_minutes else data.num_batches() * cfg.epochs
+    total_steps = 0 if cfg.max_minutes else data.num_batches() // world * cfg.epochs
     if cfg.max_steps:
-        total_steps = min(total_steps, cfg.max_steps)
+        total_steps = min(total_steps, cfg.max_steps) if total_steps else cfg.max_steps
+    if hasattr(draft, "embed_tokens"):  # the draft reads the target's (frozen) embedding during training
+        draft.embed_tokens.requires_grad_(False)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    clock = {"start": time.time(), "offset": 0.0}
+    clock = {"start": time.time(), "offset": 0.0, "now": 0.0}
+
+    def elapsed() -> float:
+        """Training seconds so far; with several processes, the main process's clock (one collective), so that
+        every process uses the same learning rate and stops at the same step."""
+        t = clock["offset"] + time.time() - clock["start"]
+        if world > 1:
+            t = float(broadcast(torch.tensor([t], dtype=torch.float64, device=accelerator.device))[0])
+        return t
 
     def progress(s: int) -> float:
         # with a time budget the schedule follows the clock, so that it ends decayed whatever the speed
         if cfg.max_minutes:
-            return (clock["offset"] + time.time() - clock["start"]) / (cfg.max_minutes * 60)
+            return clock["now"] / (cfg.max_minutes * 60)
         return (s - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, progress(s), cfg))
@@ -464,79 +501,94 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         step, start_epoch, skip = state["step"], state["epoch"], state["batches_done"]
-        clock["offset"] = state.get("elapsed", 0.0)
-        log(f"resumed from {ckpt} at step {step} (epoch {start_epoch}, batch {skip})")
+        clock["offset"] = clock["now"] = state.get("elapsed", 0.0)
+        if main:
+            log(f"resumed from {ckpt} at step {step} (epoch {start_epoch}, batch {skip})")
     draft.train()
-    model, opt = accelerator.prepare(draft, opt)
-    unwrapped = accelerator.unwrap_model(model)
+    model, opt = accelerator.prepare(TTTObjective(draft, cfg.ttt_length), opt)
+    unwrapped = accelerator.unwrap_model(model).draft
     embed = embed.to(accelerator.device)
     unwrapped._target_embedding = (embed,)
-    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+    if main:
+        (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
     t0 = clock["start"] = time.time()
     tokens_seen = 0
 
     def save(epoch, batches_done):
-        tmp = out / "checkpoint.tmp"
-        torch.save(
-            {
-                "model": accelerator.unwrap_model(model).state_dict(),
-                "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(),
-                "step": step,
-                "epoch": epoch,
-                "batches_done": batches_done,
-                "elapsed": clock["offset"] + time.time() - clock["start"],
-            },
-            tmp,
-        )
-        tmp.replace(ckpt)
+        if main:  # one writer; every process holds the same weights
+            tmp = out / "checkpoint.tmp"
+            torch.save(
+                {
+                    "model": unwrapped.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "step": step,
+                    "epoch": epoch,
+                    "batches_done": batches_done,
+                    "elapsed": clock["now"],
+                },
+                tmp,
+            )
+            tmp.replace(ckpt)
+        accelerator.wait_for_everyone()
+
+    def rounds(epoch):
+        """This process's batches: each round of ``world`` consecutive batches gives one to every process; an
+        incomplete last round is left out (every process must take the same number of optimiser steps)."""
+        pending = []
+        for bi, (_, _, items) in enumerate(data.batches(epoch)):
+            pending.append(items)
+            if len(pending) == world:
+                yield bi + 1, pending[rank]
+                pending = []
 
     done = False
-    with open(out / "log.jsonl", "a") as logf:
+    with open(out / "log.jsonl", "a") if main else contextlib.nullcontext() as logf:
         for epoch in range(start_epoch, cfg.epochs):
-            for bi, (_, _, items) in enumerate(data.batches(epoch)):
-                if epoch == start_epoch and bi < skip:
+            for batches_done, items in rounds(epoch):
+                if epoch == start_epoch and batches_done <= skip:
                     continue
                 batch = collate(items, t2d, lm_rows, cfg.prompt_loss_weight)
                 batch = {k: v.to(accelerator.device) for k, v in batch.items()}
                 with accelerator.autocast():
-                    loss, stats = ttt_loss(
-                        model if not hasattr(model, "module") else model.module,
-                        batch["features"], batch["input_ids"], batch["target_logits"], batch["loss_mask"],
-                        cfg.ttt_length,
-                    )
+                    loss, stats = model(batch["features"], batch["input_ids"], batch["target_logits"], batch["loss_mask"])
                 accelerator.backward(loss)
                 accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                clock["now"] = elapsed()
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
                 step += 1
                 tokens_seen += int(batch["loss_mask"].sum())
                 if step % cfg.log_every == 0 or step == 1:
+                    tokens = tokens_seen
+                    if world > 1:  # every process logs at the same steps: a collective is safe here
+                        tokens = int(accelerator.reduce(torch.tensor(tokens_seen, device=accelerator.device), "sum"))
                     rec = {
                         "step": step,
                         "epoch": epoch,
                         "loss": float(loss.detach()),
                         "acc": [round(a, 4) for a in stats["acc"]],
                         "lr": sched.get_last_lr()[0],
-                        "tokens": tokens_seen,
+                        "tokens": tokens,
                         "minutes": round((time.time() - t0) / 60, 2),
                     }
-                    logf.write(json.dumps(rec) + "\n")
-                    logf.flush()
-                    log(f"step {step}/{total_steps or '?'} loss {rec['loss']:.4f} acc {rec['acc']} lr {rec['lr']:.2e} "
-                        f"{rec['minutes']:.1f} min")
+                    if main:
+                        logf.write(json.dumps(rec) + "\n")
+                        logf.flush()
+                        log(f"step {step}/{total_steps or '?'} loss {rec['loss']:.4f} acc {rec['acc']} "
+                            f"lr {rec['lr']:.2e} {rec['minutes']:.1f} min")
                 if step % cfg.save_every == 0:
-                    save(epoch, bi + 1)
-                if (cfg.max_steps and step >= cfg.max_steps) or (cfg.max_minutes and clock["offset"] + time.time() - t0 > cfg.max_minutes * 60):
-                    save(epoch, bi + 1)
+                    save(epoch, batches_done)
+                if (cfg.max_steps and step >= cfg.max_steps) or (cfg.max_minutes and clock["now"] > cfg.max_minutes * 60):
+                    save(epoch, batches_done)
                     done = True
                     break
             if done:
                 break
             skip = 0
             save(epoch + 1, 0)
-    final = accelerator.unwrap_model(model).cpu().eval()
+    final = unwrapped.cpu().eval()
     final._target_embedding = None
     return final
 

@@ -1,0 +1,49 @@
+"""Worker of ``test_training.py::test_data_parallel_training_on_two_processes`` (run under torchrun, 2 processes).
+
+Usage: ``torchrun --nproc_per_node 2 ddp_train_worker.py FEATURES_DIR OUT_DIR MAX_MINUTES`` (0: step/epoch limits).
+Records a fingerprint of every batch this process trains on and saves it with the final weights as
+``OUT_DIR/rank{RANK}.pt``.
+"""
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from hf_eagle3.training import trainer
+from hf_eagle3.training.vocab import build_vocab_mapping
+
+
+def fingerprint(items) -> str:
+    """The same string for the same batch in any process."""
+    return hashlib.sha1(b"".join(x["input_ids"].numpy().tobytes() for x in items)).hexdigest()[:16]
+
+
+def main() -> None:
+    feats, out, minutes = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
+    torch.set_num_threads(1)
+    seen = []
+    original = trainer.collate
+
+    def collate(items, *args, **kwargs):
+        seen.append(fingerprint(items))
+        return original(items, *args, **kwargs)
+
+    trainer.collate = collate
+    head = torch.load(feats / "target_head.pt", weights_only=False)
+    from collections import Counter
+
+    d2t, t2d = build_vocab_mapping(Counter(range(4, 132)), 64, head["config"]["vocab_size"])
+    torch.manual_seed(int(os.environ["RANK"]))  # different initial weights: DDP must start every process from rank 0's
+    draft = trainer.init_draft(trainer.draft_config_for_target(head["config"], 64, intermediate_size=96, feature_layer_ids=[2, 3, 3]),
+                               head, d2t, t2d)
+    cfg = trainer.TrainConfig(lr=3e-3, epochs=1000 if minutes else 2, batch_tokens=256, warmup_steps=2, ttt_length=3,
+                              log_every=1, save_every=3, mixed_precision="no", holdout_shards=1, max_minutes=minutes)
+    final = trainer.train(draft, feats, out, cfg, log=lambda s: None)
+    torch.save({"seen": seen, "state": final.state_dict()}, out / f"rank{os.environ['RANK']}.pt")
+
+
+if __name__ == "__main__":
+    main()
