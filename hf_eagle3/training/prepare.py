@@ -50,6 +50,11 @@ def _shards(out_dir: str | os.PathLike) -> list[Path]:
     return sorted(Path(out_dir).glob("responses-*.jsonl")) + sorted(Path(out_dir).glob("responses-*.jsonl.gz"))
 
 
+def _own_files(directory: Path, prefix: str, suffix: str) -> list[Path]:
+    """Files ``{prefix}NNNNN{suffix}`` of ``directory`` (``prefix`` "responses-" does not match "responses-p1-...")."""
+    return [p for p in directory.glob(f"{prefix}*{suffix}") if p.name[len(prefix) : -len(suffix)].isdigit()]
+
+
 def iter_records(out_dir: str | os.PathLike) -> Iterable[dict]:
     """Yield every complete ``{"id", "prompt_ids", "response_ids"}`` record written to ``out_dir``."""
     import gzip
@@ -81,8 +86,14 @@ def prepare(
     layer_ids: list[int] | None = None,
     feature_dtype=None,
     max_feature_prompt_tokens: int | None = None,
+    num_shards: int = 1,
+    shard_index: int = 0,
 ) -> Path:
     """Answer the prompts of ``prompts_path`` with ``model`` and store token ids in ``out_dir`` (resumable).
+
+    Several processes (one per GPU) can share the work: each is given ``num_shards`` and its own ``shard_index``,
+    answers every ``num_shards``-th prompt from ``shard_index`` on, and writes files of its own
+    (``responses-p{shard_index}-*.jsonl``, ``shard-p{shard_index}-*.pt``) into the same directories.
 
     Args:
         model: the target ``PreTrainedModel`` (its own answers are the training data).
@@ -101,13 +112,18 @@ def prepare(
         layer_ids: the three capture indices (input of layer i); default ``[2, N // 2, N - 3]``.
         feature_dtype: storage dtype of the features (default bfloat16).
         max_feature_prompt_tokens: keep only the last this-many prompt positions of each record in the shards.
+        num_shards: number of processes sharing the prompts (1: this one does all).
+        shard_index: this process's share, ``0 <= shard_index < num_shards``.
 
     Returns:
         ``out_dir`` as a ``Path``.
     """
+    if not (isinstance(num_shards, int) and num_shards >= 1 and 0 <= shard_index < num_shards):
+        raise ValueError(f"shard_index {shard_index} / num_shards {num_shards}: need num_shards >= 1 and "
+                         "0 <= shard_index < num_shards (one index per process).")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = read_prompts(prompts_path, max_prompts)
+    rows = read_prompts(prompts_path, max_prompts)[shard_index::num_shards]
     finished = done_ids(out)
     todo = []
     for r in rows:
@@ -127,7 +143,10 @@ def prepare(
     for c in range(0, len(todo), chunk):
         part = sorted(todo[c : c + chunk], key=lambda x: len(x[1]))
         batches += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
-    shard = out / f"responses-{len(list(out.glob('responses-*.jsonl'))):05d}.jsonl"
+    if not batches:  # everything answered already: write nothing (no empty shard, no features directory)
+        return out
+    prefix = f"responses-p{shard_index}-" if num_shards > 1 else "responses-"
+    shard = out / f"{prefix}{len(_own_files(out, prefix, '.jsonl')):05d}.jsonl"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
@@ -136,13 +155,14 @@ def prepare(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(todo), desc="prepare", unit="prompt")
-    torch.manual_seed(seed)
+    torch.manual_seed(seed + shard_index)
     device = next(model.parameters()).device
     n_tokens, t0 = 0, time.perf_counter()
     recorder, extra = None, {}
     if features_dir is not None:
         recorder = _GenerationFeatureRecorder(model, features_dir, layer_ids, feature_dtype or torch.bfloat16,
-                                              max_feature_prompt_tokens)
+                                              max_feature_prompt_tokens,
+                                              prefix=f"shard-p{shard_index}-" if num_shards > 1 else "shard-")
         extra = {"logits_processor": LogitsProcessorList([recorder])}
     try:
         with open(shard, "a") as f:
@@ -203,9 +223,10 @@ class _GenerationFeatureRecorder(LogitsProcessor):
         layer_ids: the three capture indices, or ``None`` for ``[2, N // 2, N - 3]``.
         dtype: storage dtype.
         max_prompt_tokens: prompt positions kept per record (the last ones), or ``None`` for all.
+        prefix: shard file names are ``{prefix}NNNNN.pt`` (one prefix per process when several share the work).
     """
 
-    def __init__(self, model, features_dir, layer_ids, dtype, max_prompt_tokens):
+    def __init__(self, model, features_dir, layer_ids, dtype, max_prompt_tokens, prefix: str = "shard-"):
         from ..configuration_eagle3 import default_feature_layer_ids
         from ..feature_capture import Eagle3FeatureCapture, find_decoder_layers
         from .features import save_target_head
@@ -215,13 +236,16 @@ class _GenerationFeatureRecorder(LogitsProcessor):
         self.layer_ids = list(layer_ids)
         self.capture = Eagle3FeatureCapture(model, self.layer_ids)  # checks the ids before anything is written
         self.out = Path(features_dir)
+        self.prefix = prefix
         meta = self.out / "meta.json"
         if meta.exists() and json.loads(meta.read_text()).get("layer_ids") != self.layer_ids:
             raise ValueError(f"{meta} was written with other layer ids than {self.layer_ids}: use another features_dir.")
         self.out.mkdir(parents=True, exist_ok=True)
         if not (self.out / "target_head.pt").exists():
             save_target_head(model, self.out)
-        meta.write_text(json.dumps({"layer_ids": self.layer_ids}))
+        tmp = self.out / f"meta.{os.getpid()}.tmp"  # several processes may share the directory: replace atomically
+        tmp.write_text(json.dumps({"layer_ids": self.layer_ids}))
+        tmp.replace(meta)
         self.dtype, self.max_prompt_tokens = dtype, max_prompt_tokens
         self.lm_head = model.get_output_embeddings()
         self._final = None
@@ -288,7 +312,7 @@ class _GenerationFeatureRecorder(LogitsProcessor):
                 "last_hidden": final.clone(),
                 "target_argmax": argmax,
             })
-        path = self.out / f"shard-{len(list(self.out.glob('shard-*.pt'))):05d}.pt"
+        path = self.out / f"{self.prefix}{len(_own_files(self.out, self.prefix, '.pt')):05d}.pt"
         tmp = path.with_suffix(".tmp")
         torch.save(items, tmp)
         tmp.replace(path)
