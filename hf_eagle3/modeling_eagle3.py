@@ -66,10 +66,12 @@ def rope_inv_freq(config: Eagle3Config) -> torch.Tensor:
     Returns:
         `torch.FloatTensor` of shape `(head_dim // 2,)`, float32.
     """
+    kind = _rope_kind(config)
+    if kind not in BUILTIN_ROPE_TYPES:
+        return _transformers_rope(config)[0]
     dim = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.draft_rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
         inv = inv / scaling["factor"]
     elif kind == "llama3":
@@ -81,8 +83,6 @@ def rope_inv_freq(config: Eagle3Config) -> torch.Tensor:
         mid = (1 - smooth) * inv / factor + smooth * inv
         is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         inv = torch.where(is_mid, mid, scaled)
-    elif kind not in ("default", None):
-        return _transformers_rope(config)[0]
     return inv.float()
 
 
@@ -93,10 +93,18 @@ def rope_attention_scaling(config: Eagle3Config) -> float:
     Args:
         config (`Eagle3Config`): gives ``draft_rope_scaling``.
     """
-    scaling = config.draft_rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type", "default")) in ("default", None, "linear", "llama3"):
+    if _rope_kind(config) in BUILTIN_ROPE_TYPES:
         return 1.0
     return float(_transformers_rope(config)[1])
+
+
+BUILTIN_ROPE_TYPES = ("default", "linear", "llama3")  # computed by :func:`rope_inv_freq` itself
+
+
+def _rope_kind(config: Eagle3Config) -> str:
+    """The ``rope_type`` (or legacy ``type``) of ``config.draft_rope_scaling``; ``"default"`` without scaling."""
+    scaling = config.draft_rope_scaling or {}
+    return scaling.get("rope_type") or scaling.get("type") or "default"
 
 
 def _transformers_rope(config: Eagle3Config) -> tuple[torch.Tensor, float]:
@@ -104,8 +112,9 @@ def _transformers_rope(config: Eagle3Config) -> tuple[torch.Tensor, float]:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    kind = _rope_kind(config)
     params = dict(config.draft_rope_scaling)
-    kind = params.pop("type", None) or params.get("rope_type")
+    params.pop("type", None)
     if kind in ("dynamic", "longrope") or kind not in ROPE_INIT_FUNCTIONS:
         raise ValueError(
             f"rope_scaling type {kind!r} is not supported by the EAGLE-3 draft: supported are default, linear, "
@@ -488,8 +497,10 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
         freqs = position_ids[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        scale = self.rope_attention_scaling
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.rope_attention_scaling != 1.0:  # e.g. yarn; a Python float, no device round trip
+            cos, sin = cos * self.rope_attention_scaling, sin * self.rope_attention_scaling
+        return cos.to(dtype), sin.to(dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """

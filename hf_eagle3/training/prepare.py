@@ -145,7 +145,8 @@ def prepare(
         batches += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
     if not batches:  # everything answered already: write nothing (no empty shard, no features directory)
         return out
-    prefix = f"responses-p{shard_index}-" if num_shards > 1 else "responses-"
+    part = f"p{shard_index}-" if num_shards > 1 else ""  # file names of this process's share
+    prefix = f"responses-{part}"
     shard = out / f"{prefix}{len(_own_files(out, prefix, '.jsonl')):05d}.jsonl"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = model.generation_config.eos_token_id
@@ -162,7 +163,7 @@ def prepare(
     if features_dir is not None:
         recorder = _GenerationFeatureRecorder(model, features_dir, layer_ids, feature_dtype or torch.bfloat16,
                                               max_feature_prompt_tokens,
-                                              prefix=f"shard-p{shard_index}-" if num_shards > 1 else "shard-")
+                                              prefix=f"shard-{part}")
         extra = {"logits_processor": LogitsProcessorList([recorder])}
     try:
         with open(shard, "a") as f:

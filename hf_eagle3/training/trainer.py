@@ -392,8 +392,9 @@ def _lr_factor(step: int, progress: float, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def check_draft_matches_features(draft: Eagle3DraftModel, features_dir, head: dict | None = None) -> None:
-    """Raise a ``ValueError`` naming the fix when ``draft`` cannot be trained on the features in ``features_dir``.
+def check_draft_matches_features(draft: Eagle3DraftModel, features_dir, head: dict | None = None) -> dict:
+    """Raise a ``ValueError`` naming the fix when ``draft`` cannot be trained on the features in ``features_dir``;
+    return the target head (``target_head.pt``) otherwise.
 
     A draft trained on features of other layers than its ``feature_layer_ids`` would train without error and then
     read the wrong layers at inference, so the layer ids are checked as well as the sizes.
@@ -428,6 +429,7 @@ def check_draft_matches_features(draft: Eagle3DraftModel, features_dir, head: di
             + "; ".join(problems) + ". Train a new draft for this target (omit --init-draft), set the draft's "
             "feature_layer_ids to the features' layer ids, or write features for the draft's target and layers."
         )
+    return head
 
 
 def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | None = None, log=print):
@@ -455,9 +457,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     from accelerate.utils import broadcast
 
     cfg = cfg or TrainConfig()
-    head = torch.load(Path(features_dir) / "target_head.pt", weights_only=False) \
-        if (Path(features_dir) / "target_head.pt").exists() else None
-    check_draft_matches_features(draft, features_dir, head)  # before anything is written
+    head = check_draft_matches_features(draft, features_dir)  # before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -601,8 +601,7 @@ def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int
     Returns:
         ``{"acc": [...], "loss": [...], "count": ...}`` averaged over counted positions.
     """
-    head = torch.load(Path(features_dir) / "target_head.pt", weights_only=False)
-    check_draft_matches_features(draft, features_dir, head)
+    head = check_draft_matches_features(draft, features_dir)
     embed = torch.nn.Embedding.from_pretrained(head["embed_tokens"], freeze=True)
     draft._target_embedding = (embed,)
     used = torch.arange(draft.config.draft_vocab_size) + draft.d2t.cpu()
