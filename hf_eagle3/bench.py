@@ -262,6 +262,21 @@ def eagle3_chain_strategies(ks, **options) -> list[Strategy]:
     return out
 
 
+@register_strategy("eagle3_auto")
+def eagle3_auto_strategies(ks, **options) -> list[Strategy]:
+    """EAGLE-3 chain drafting with ``num_assistant_tokens_schedule="auto"``: each round the length in 0..max(ks) with
+    the most expected tokens per second under the costs measured on this machine (see docs/cost_model.md).
+
+    Args:
+        ks: the draft lengths of the sweep; their maximum caps the chosen length.
+        options: unused.
+    """
+    cap = max(int(k) for k in ks)
+    kwargs = {"num_assistant_tokens": cap, "num_assistant_tokens_schedule": "auto"}
+    return [Strategy(name=f"eagle3-chain auto k<={cap}", family="eagle3_auto", k=None, uses_draft=True,
+                     generate_kwargs=kwargs)]
+
+
 TREE_SHAPES = ((4, 4, 8), (4, 5, 16), (8, 6, 32))  # (top_k, depth, total_tokens) of the eagle3_tree family
 
 
@@ -579,16 +594,20 @@ def format_markdown(report: dict) -> str:
         f"torch threads={s['torch_threads']}, target dtype {s['target_dtype']} on {s.get('device', 'cpu')}, "
         f"{s['date']}",
         "",
-        "| mode | strategy | k | tokens/s | ms/token | vs plain | mean acceptance length | acceptance per position |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
+        "| mode | strategy | k | tokens/s | ms/token | vs plain | mean acceptance length | acceptance per position "
+        "| rounds drafted (mean k) / without draft |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for r in report["results"]:
         per_pos = r["acceptance_rate_per_position"]
         per_pos = " ".join(f"{x:.2f}" for x in per_pos) if per_pos is not None else "n/a"
         k = "" if r["k"] is None else str(r["k"])
+        st = r.get("stats")
+        rounds = (f"{st['num_drafts']} ({st['mean_draft_length']:.2f}) / {st['num_rounds_without_draft']}"
+                  if st and "mean_draft_length" in st else "n/a")
         lines.append(
             f"| {r['mode']} | {r['strategy']} | {k} | {_fmt(r['tokens_per_s'], '.2f')} | {_fmt(r['ms_per_token'], '.1f')} "
-            f"| {_fmt(r['speedup'], '.2f')}x | {_fmt(r['mean_acceptance_length'], '.2f')} | {per_pos} |"
+            f"| {_fmt(r['speedup'], '.2f')}x | {_fmt(r['mean_acceptance_length'], '.2f')} | {per_pos} | {rounds} |"
         )
     lines.append("")
     compared = report["greedy_compared"]

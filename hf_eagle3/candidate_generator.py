@@ -6,9 +6,11 @@ others lazily inside functions, since ``modeling_eagle3`` imports this module).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -16,11 +18,13 @@ from transformers import GenerationConfig
 from transformers.generation import candidate_generator as _cg
 from transformers.generation import utils as _gen_utils
 
+from .cost_model import Eagle3DraftLengthPolicy, measure_costs
 from .tree_decoding import TREE_SETTINGS, install_tree_hook, pop_tree_settings
 
 CandidateGenerator = _cg.CandidateGenerator
 HOOK_VERSION = 1
 DRAFT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+SCHEDULES = ("constant", "heuristic", "heuristic_transient", "auto")
 # Settings a draft checkpoint carries in its generation_config.json (chain and tree drafting).
 SAVED_DRAFT_SETTINGS = DRAFT_SETTINGS + TREE_SETTINGS
 
@@ -67,6 +71,16 @@ class Eagle3Stats:
     def mean_acceptance_length(self) -> float:
         """Tokens per drafting round, counting the target's bonus token: ``1 + accepted / num_drafts``."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def num_rounds_without_draft(self) -> int:
+        """Target forwards after the prefill that verified no draft (``"auto"`` chose not to draft, or none fitted)."""
+        return max(0, self.num_target_forwards - self.num_drafts - 1)
+
+    @property
+    def mean_draft_length(self) -> float:
+        """Tokens drafted per drafting round."""
+        return self.num_draft_tokens / self.num_drafts if self.num_drafts else 0.0
 
     @property
     def acceptance_rate_per_position(self) -> list:
@@ -123,6 +137,8 @@ class Eagle3Stats:
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_target_forwards": self.num_target_forwards,
             "num_output_tokens": self.num_output_tokens,
+            "num_rounds_without_draft": self.num_rounds_without_draft,
+            "mean_draft_length": self.mean_draft_length,
             "mean_acceptance_length": self.mean_acceptance_length,
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "drafted_per_position": list(self.drafted_per_position),
@@ -136,15 +152,20 @@ class Eagle3Stats:
         lines += [f"acceptance at token {i}: {r:.2f}" for i, r in enumerate(self.acceptance_rate_per_position)]
         return "\n".join(lines)
 
+    def rounds_summary(self) -> str:
+        """One line on the drafting rounds: how many drafted, their mean length, how many drafted nothing."""
+        return (f"rounds drafted: {self.num_drafts} (mean k {self.mean_draft_length:.2f}), rounds without a draft: "
+                f"{self.num_rounds_without_draft}")
+
 
 class Eagle3CandidateGenerator(CandidateGenerator):
     r"""
     `CandidateGenerator` that proposes a chain of tokens with an EAGLE-3 draft fed by the target's own hidden states.
 
     The target's features arrive through an [`Eagle3FeatureCapture`] installed for the ``generate`` call. Each round
-    the draft first consumes the features of the positions the target just verified (paired with the token that
-    followed each), then drafts ``num_assistant_tokens`` tokens, feeding its own pre-norm output forward. The draft
-    keeps its KV cache across rounds and crops the drafted (speculative) part at the start of the next round.
+    the draft first consumes the features of the positions the target verified since it last ran (paired with the
+    token that followed each), then drafts ``num_assistant_tokens`` tokens, feeding its own pre-norm output forward.
+    The draft keeps its KV cache across rounds and crops the drafted (speculative) part at the start of the next round.
 
     The first round has no features yet, so it proposes nothing: the target's prefill produces the first token.
 
@@ -156,12 +177,16 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         logits_processor (`LogitsProcessorList`): the target's processors; applied to the draft's scores (over the
             target vocabulary) when sampling, so that the returned candidate logits are the distribution the
             candidates were sampled from.
-        num_assistant_tokens (`int`): draft tokens per round (initial value for the heuristic schedules).
+        num_assistant_tokens (`int`): draft tokens per round (initial value for the heuristic schedules, the longest
+            draft for ``"auto"``).
         num_assistant_tokens_schedule (`str`): ``"constant"``, ``"heuristic"`` (+2 after a fully accepted round,
-            -1 otherwise, kept on the draft's generation config after the call) or ``"heuristic_transient"`` (same,
-            not kept).
+            -1 otherwise, kept on the draft's generation config after the call), ``"heuristic_transient"`` (same,
+            not kept) or ``"auto"`` (each round the length, 0 included, with the most expected tokens per second
+            under the round costs measured on this machine and the acceptance seen so far; see
+            :class:`~hf_eagle3.cost_model.Eagle3DraftLengthPolicy`).
         assistant_confidence_threshold (`float`): stop drafting in a round once the draft's probability of its own
             token falls below this (0 disables it; when set, each draft step reads one value back from the device).
+        target (`PreTrainedModel`, *optional*): the target, whose forwards ``"auto"`` times once (required for it).
     """
 
     def __init__(
@@ -174,19 +199,23 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         num_assistant_tokens: int = 5,
         num_assistant_tokens_schedule: str = "constant",
         assistant_confidence_threshold: float | None = 0.0,
+        target=None,
     ):
         from .logits_process import Eagle3D2TLogitsProcessor
         from .modeling_eagle3 import Eagle3KVCache
 
-        if num_assistant_tokens_schedule not in ("constant", "heuristic", "heuristic_transient"):
+        if num_assistant_tokens_schedule not in SCHEDULES:
             raise ValueError(
-                f"num_assistant_tokens_schedule={num_assistant_tokens_schedule!r}: EAGLE-3 supports 'constant', "
-                "'heuristic' and 'heuristic_transient'."
+                f"num_assistant_tokens_schedule={num_assistant_tokens_schedule!r}: EAGLE-3 supports "
+                f"{', '.join(repr(s) for s in SCHEDULES)}."
             )
         if int(num_assistant_tokens) < 1:
             raise ValueError(f"num_assistant_tokens must be >= 1, got {num_assistant_tokens}")
+        if num_assistant_tokens_schedule == "auto" and target is None:
+            raise ValueError("num_assistant_tokens_schedule='auto' needs the target (to time its forwards).")
         self.draft = draft
         self.capture = capture
+        self.target = target
         self.device = draft.fc.weight.device
         self.dtype = draft.fc.weight.dtype
         self.d2t = Eagle3D2TLogitsProcessor(draft.d2t, draft.config.vocab_size)
@@ -198,9 +227,13 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         self.confidence_threshold = float(assistant_confidence_threshold or 0.0)
         self.cache = Eagle3KVCache()
         self.stats = Eagle3Stats()
+        self.policy: Eagle3DraftLengthPolicy | None = None  # created on the first round of "auto"
         self._fed = 0  # positions whose real (target) features are in the draft cache
+        self._pending = []  # verified features not fed yet (rounds that drafted nothing defer the feed)
         self._last_len = input_ids.shape[1]  # length of the sequence handed to the target last round
         self._last_k = 0  # tokens drafted last round
+        self._last_feed = 0  # positions fed last round
+        self._round_start = None  # wall clock at the start of the last round ("auto" measures rounds)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
         """
@@ -213,33 +246,26 @@ class Eagle3CandidateGenerator(CandidateGenerator):
             `(candidate_input_ids, candidate_logits)`: the sequence followed by the drafted tokens, and (when
             sampling) the processed draft scores over the target vocabulary `(1, k, vocab_size)`, else `None`.
         """
+        now = time.perf_counter()
+        if self.policy is not None and self._round_start is not None:
+            self.policy.observe_time(self._last_k, now - self._round_start, feed=self._last_feed)
+        self._round_start = now
         cur_len = input_ids.shape[1]
-        features = self.capture.features(self.device, self.dtype)
+        self._collect_features(cur_len)
+        self._last_len, self._last_k, self._last_feed = cur_len, 0, 0
+        if not self._pending and self._fed == 0:  # first round: the target has not run yet
+            if self.schedule == "auto" and self.policy is None:
+                self.policy = self._make_policy(input_ids)
+                self._round_start = None  # the timing forwards are not part of a round
+            return input_ids, None
         k = min(self.num_assistant_tokens, self.max_length - cur_len - 1)
-        # The target's last forward covered positions [start, previous length + previous k).
-        start = self._last_len + self._last_k - (features.shape[1] if features is not None else 0)
-        self._last_len, self._last_k = cur_len, 0
-        if features is None:  # first round: the target has not run yet
+        if self.policy is not None:
+            k = self.policy.choose(k, feed=cur_len - 1 - self._fed)
+        if k <= 0:  # max_length reached, or "auto" drafts nothing: a plain target step, the feed waits
             return input_ids, None
-        if start != self._fed:
-            raise RuntimeError(
-                f"EAGLE-3 feature bookkeeping lost track (target forward started at {start}, draft has {self._fed} "
-                "positions). Was the target called outside generate during the call?"
-            )
-        if k <= 0:  # max_length reached: the target's next forward is the last, nothing to draft or feed
-            return input_ids, None
-        new = cur_len - 1 - self._fed  # positions with verified features not yet in the draft cache
-        self.cache.crop(self._fed)
         ids = input_ids.to(self.device)
-        out = self.draft(
-            input_ids=ids[:, self._fed + 1 : cur_len],
-            target_features=features[:, :new],
-            position_ids=torch.arange(self._fed, cur_len - 1, device=self.device)[None],
-            cache=self.cache,
-            logits_to_keep=1,
-        )
-        self._fed = cur_len - 1
-        self.capture.clear()
+        self._last_feed = cur_len - 1 - self._fed
+        out = self._feed(ids)
         tokens, scores = [], []
         seq = ids
         for step in range(k):
@@ -265,6 +291,45 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         candidate_logits = torch.stack(scores, dim=1) if scores else None
         return seq, candidate_logits
 
+    def _collect_features(self, cur_len: int) -> None:
+        """Keep the verified part of the target's last forward (positions ``< cur_len - 1``) for the next feed."""
+        features = self.capture.features(self.device, self.dtype)
+        if features is None:
+            return
+        self.capture.clear()
+        # The target's last forward covered positions [start, previous length + previous k).
+        start = self._last_len + self._last_k - features.shape[1]
+        known = self._fed + sum(f.shape[1] for f in self._pending)
+        if start != known:
+            raise RuntimeError(
+                f"EAGLE-3 feature bookkeeping lost track (target forward started at {start}, draft has {known} "
+                "positions). Was the target called outside generate during the call?"
+            )
+        if cur_len - 1 > start:
+            self._pending.append(features[:, : cur_len - 1 - start])
+
+    def _feed(self, ids: torch.LongTensor):
+        """Crop the draft's speculative cache entries and run it over the pending verified positions."""
+        cur_len = ids.shape[1]
+        features = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending, dim=1)
+        self._pending = []
+        self.cache.crop(self._fed)
+        out = self.draft(
+            input_ids=ids[:, self._fed + 1 : cur_len],
+            target_features=features,
+            position_ids=torch.arange(self._fed, cur_len - 1, device=self.device)[None],
+            cache=self.cache,
+            logits_to_keep=1,
+        )
+        self._fed = cur_len - 1
+        return out
+
+    def _make_policy(self, input_ids: torch.LongTensor) -> Eagle3DraftLengthPolicy:
+        """The ``"auto"`` policy: measured costs (once per process) and the acceptance carried from the last call."""
+        costs = measure_costs(self.target, self.draft, input_ids)
+        self.capture.clear()  # the timing forwards ran through the hooks
+        return Eagle3DraftLengthPolicy.from_carried(costs, getattr(self.draft, "_draft_length_state", None))
+
     def _select(self, seq: torch.LongTensor, draft_scores: torch.FloatTensor):
         """Pick the next draft token (target id) from draft-vocabulary scores; return it and the processed scores."""
         if not self.do_sample:
@@ -286,6 +351,8 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         """
         num_matches = int(num_matches)
         self.stats.record(self._last_k, num_matches)
+        if self.policy is not None:
+            self.policy.observe(self._last_k, num_matches)
         if self._last_k and self.schedule in ("heuristic", "heuristic_transient"):
             if num_matches == self._last_k:
                 self.num_assistant_tokens += 2
@@ -296,6 +363,8 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         """End of the call: persist the heuristic draft length and publish the statistics on the draft."""
         if self.schedule == "heuristic":
             self.draft.generation_config.num_assistant_tokens = self.num_assistant_tokens
+        if self.policy is not None:
+            self.draft._draft_length_state = self.policy.carried()
         self.draft._record_stats(self.stats)
         return self.stats
 
@@ -325,6 +394,46 @@ def _user_draft_settings(kwargs: dict) -> dict:
             if getattr(config, key) != getattr(defaults, key, None):
                 given[key] = getattr(config, key)
     return given
+
+
+def resolve_draft_settings(saved, given: dict) -> dict:
+    """
+    The draft-length settings of a call: the draft's saved ones, overridden by those given to ``generate``.
+
+    A ``num_assistant_tokens`` given without a schedule means exactly that many tokens per round: it turns a saved
+    ``"auto"`` schedule into ``"constant"``.
+
+    Args:
+        saved (`GenerationConfig`): the draft's generation config.
+        given (`dict`): the settings the user gave to this call (see :data:`DRAFT_SETTINGS`).
+    """
+    settings = {key: getattr(saved, key, None) for key in DRAFT_SETTINGS}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    settings.update(given)
+    explicit_k = "num_assistant_tokens" in given and "num_assistant_tokens_schedule" not in given
+    if explicit_k and settings.get("num_assistant_tokens_schedule") == "auto":
+        settings["num_assistant_tokens_schedule"] = "constant"
+    return settings
+
+
+_GENERATOR_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_generator_class", default=None)
+
+
+@contextlib.contextmanager
+def use_candidate_generator(generator_class):
+    """
+    Within the block, EAGLE-3 chain calls of ``generate`` use ``generator_class`` (a subclass of
+    :class:`Eagle3CandidateGenerator` taking the same arguments) instead: how benchmarks swap in instrumented
+    drafting (e.g. ``hf-eagle3 bench --oracle``) without another code path.
+
+    Args:
+        generator_class (`type`): the candidate generator class.
+    """
+    token = _GENERATOR_CLASS.set(generator_class)
+    try:
+        yield
+    finally:
+        _GENERATOR_CLASS.reset(token)
 
 
 def _batch_size(args, kwargs) -> int | None:
@@ -389,10 +498,9 @@ def _eagle3_get_candidate_generator(original):
         if call is None or call.draft is not assistant:
             raise RuntimeError("EAGLE-3 drafts must be used through `target.generate(..., assistant_model=draft)`.")
         generation_config = bound.arguments["generation_config"]
-        settings = {key: getattr(assistant.generation_config, key, None) for key in DRAFT_SETTINGS}
-        settings = {k: v for k, v in settings.items() if v is not None}
-        settings.update(call.settings)
-        call.generator = Eagle3CandidateGenerator(
+        settings = resolve_draft_settings(assistant.generation_config, call.settings)
+        generator_class = _GENERATOR_CLASS.get() or Eagle3CandidateGenerator
+        call.generator = generator_class(
             assistant,
             call.capture,
             bound.arguments["input_ids"],
@@ -401,6 +509,7 @@ def _eagle3_get_candidate_generator(original):
             num_assistant_tokens=settings.get("num_assistant_tokens", 5),
             num_assistant_tokens_schedule=settings.get("num_assistant_tokens_schedule", "constant"),
             assistant_confidence_threshold=settings.get("assistant_confidence_threshold", 0.0),
+            target=self,
         )
         return call.generator
 

@@ -35,7 +35,8 @@ def run_demo(
         draft: Hub id or local directory of the EAGLE-3 draft; ``None`` = ``HF_EAGLE3_DRAFT``, else the shipped
             draft, else a random draft (with a warning).
         max_new_tokens: new tokens per answer.
-        num_assistant_tokens: draft length k; ``None`` = the draft's own default (its generation config).
+        num_assistant_tokens: a constant draft length k; ``None`` = the draft's own settings (its generation config,
+            e.g. ``num_assistant_tokens_schedule="auto"``: the length, drafting nothing included, chosen each round).
         temperature: 0 for greedy decoding (outputs are then compared token by token); > 0 samples.
         seed: seed for sampling (both runs start from it).
         dtype: weight dtype name (``"bfloat16"``); default float32.
@@ -43,7 +44,8 @@ def run_demo(
 
     Returns:
         A dict with ``eagle3_tokens_per_s``, ``plain_tokens_per_s``, ``speedup``, ``identical`` (``None`` when
-        sampling), ``stats`` (``Eagle3Stats.to_dict()``), ``draft_is_random``, ``k``.
+        sampling), ``stats`` (``Eagle3Stats.to_dict()``), ``draft_is_random``, ``k`` (the constant length, or the
+        draft's schedule name, e.g. ``"auto (k <= 5)"``).
     """
     from transformers import TextStreamer
 
@@ -51,7 +53,15 @@ def run_demo(
     print("Loading the target ...", file=sys.stderr, flush=True)
     target_model, tokenizer = load_target(target, dtype=dtype, device=device)
     draft_model, draft_name, is_random = load_draft(draft, target_model)
-    k = num_assistant_tokens or draft_model.generation_config.num_assistant_tokens
+    draft_settings = {}
+    if num_assistant_tokens:  # an explicit length means exactly that
+        draft_settings = {"num_assistant_tokens": num_assistant_tokens, "num_assistant_tokens_schedule": "constant"}
+        k = str(num_assistant_tokens)
+    else:
+        saved = draft_model.generation_config
+        schedule = getattr(saved, "num_assistant_tokens_schedule", None) or "constant"
+        k = (f"{schedule} (k <= {saved.num_assistant_tokens})" if schedule == "auto"
+             else f"{saved.num_assistant_tokens} ({schedule})")
     ids = encode_prompt(tokenizer, prompt).to(target_model.device)
     sync = torch.cuda.synchronize if target_model.device.type == "cuda" else (lambda: None)
     mask = torch.ones_like(ids)
@@ -60,10 +70,11 @@ def run_demo(
     if sampling:
         gen.update(temperature=temperature, top_k=0, top_p=1.0)
 
-    # Warm up both paths once, so that first-call costs do not count against either.
+    # Warm up both paths once, so that first-call costs (for "auto", the one-time timing of the forwards) do not
+    # count against either.
     target_model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     target_model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, assistant_model=draft_model,
-                          num_assistant_tokens=k)
+                          **draft_settings)
 
     print(f"\nTarget: {target or 'SmolLM2-135M-Instruct'}   draft: {draft_name}   k={k}   "
           f"{'temperature ' + str(temperature) if sampling else 'greedy'}")
@@ -72,8 +83,7 @@ def run_demo(
     torch.manual_seed(seed)
     sync()
     start = time.perf_counter()
-    eagle_out = target_model.generate(ids, assistant_model=draft_model, num_assistant_tokens=k,
-                                      num_assistant_tokens_schedule="constant", streamer=streamer, **gen)
+    eagle_out = target_model.generate(ids, assistant_model=draft_model, streamer=streamer, **draft_settings, **gen)
     sync()
     eagle_s = time.perf_counter() - start
     stats = draft_model.last_stats
@@ -96,7 +106,8 @@ def run_demo(
     print("-" * 50)
     print(f"EAGLE-3 : {len(eagle_new)} tokens in {eagle_s:.2f} s = {eagle_tps:.2f} tokens/s")
     print(f"plain   : {len(plain_new)} tokens in {plain_s:.2f} s = {plain_tps:.2f} tokens/s")
-    print(f"speed-up: {speedup:.2f}x  (threads: {torch.get_num_threads()})")
+    print(f"speed-up: {speedup:.2f}x  (threads: {torch.get_num_threads()}; draft length: {k}; "
+          f"{stats.rounds_summary()})")
     identical = None
     if sampling:
         print("Sampling: the two answers are independent draws from the same distribution, so they are not compared.")

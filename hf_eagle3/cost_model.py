@@ -1,0 +1,453 @@
+"""What a decoding round costs on the machine at hand, and the draft-length policy that decides from it how much to
+draft each round, drafting nothing included (``num_assistant_tokens_schedule="auto"``).
+
+A round that drafts ``k`` tokens costs one draft forward over the positions the target verified since the draft last
+ran (the "feed", which also proposes the first token), ``k - 1`` further draft steps and a target forward over
+``k + 1`` tokens; it yields ``1 + sum_i prod_{j <= i} a_j`` tokens on average, ``a_j`` being the chance that draft token
+``j`` is accepted given that the ones before it were. A round that drafts nothing is a plain target step (the feed is
+deferred to the next round that drafts). :class:`Eagle3DraftLengthPolicy` picks the ``k`` with the most expected
+tokens per second; :func:`measure_costs` times the forwards once per target / draft / device / dtype.
+
+Core file: imports only torch/transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+TARGET_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # target forward sizes (new tokens) timed by :func:`measure_costs`
+FEED_SIZES = (1, 4, 16)  # draft feed sizes timed by :func:`measure_costs`
+CONTEXT_TOKENS = 64  # cache length the forwards are timed on
+PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed at a draft position nothing is known about
+PRIOR_WEIGHT = 2.0  # weight of the prior, in rounds
+DECAY = 0.95  # per drafted round: older rounds count less, so the estimate follows the text
+PROBE_EVERY = 4  # rounds without a draft before the first probe; doubles after each probe that does not pay
+MAX_PROBE_EVERY = 64
+OVERHEAD_SMOOTHING = 0.2  # exponential smoothing of the measured per-round overhead
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interpolate(table: dict, n: float) -> float:
+    """
+    Linear interpolation in ``table`` (``{size: seconds}``), linear extrapolation beyond its largest size.
+
+    Args:
+        table (`dict[int, float]`): measured values at a few sizes.
+        n (`float`): the size to estimate.
+    """
+    sizes = sorted(table)
+    values = [table[s] for s in sizes]
+    if n <= sizes[0] or len(sizes) == 1:
+        return values[0]
+    for (a, ta), (b, tb) in zip(zip(sizes, values), zip(sizes[1:], values[1:])):
+        if n <= b:
+            return ta + (tb - ta) * (n - a) / (b - a)
+    (a, ta), (b, tb) = (sizes[-2], values[-2]), (sizes[-1], values[-1])
+    return tb + (tb - ta) * (n - b) / (b - a)
+
+
+@dataclass
+class Eagle3Costs:
+    """
+    Measured seconds of the forwards a decoding round is made of.
+
+    Args:
+        target (`dict[int, float]`): a target forward of ``n`` new tokens, by ``n``.
+        draft_feed (`dict[int, float]`): a draft forward over ``m`` verified positions (logits of the last only).
+        draft_step (`float`): one draft step (one position, its logits).
+    """
+
+    target: dict
+    draft_feed: dict
+    draft_step: float
+
+    def target_seconds(self, n: int) -> float:
+        """
+        Seconds of a target forward of ``n`` new tokens.
+
+        Args:
+            n (`int`): new tokens.
+        """
+        return interpolate(self.target, n)
+
+    def feed_seconds(self, m: int) -> float:
+        """
+        Seconds of a draft forward over ``m`` verified positions.
+
+        Args:
+            m (`int`): positions fed.
+        """
+        return interpolate(self.draft_feed, max(1, m))
+
+    def round_seconds(self, k: int, feed: int = 1) -> float:
+        """
+        Seconds of a round that drafts ``k`` tokens after feeding ``feed`` positions (``k = 0``: a plain target step).
+
+        Args:
+            k (`int`): tokens drafted.
+            feed (`int`): verified positions the draft consumes first.
+        """
+        if k <= 0:
+            return self.target_seconds(1)
+        return self.feed_seconds(feed) + (k - 1) * self.draft_step + self.target_seconds(k + 1)
+
+    def to_dict(self) -> dict:
+        """The costs in milliseconds, JSON-friendly, with the ratios to a one-token target forward."""
+        one = self.target_seconds(1)
+        return {
+            "target_ms": {str(n): 1000 * s for n, s in sorted(self.target.items())},
+            "target_ratio": {str(n): s / one for n, s in sorted(self.target.items())},
+            "draft_feed_ms": {str(m): 1000 * s for m, s in sorted(self.draft_feed.items())},
+            "draft_step_ms": 1000 * self.draft_step,
+            "draft_step_ratio": self.draft_step / one,
+        }
+
+
+# ------------------------------------------------------------------------------------------------------ measuring
+def _time(fn, device, repeats: int) -> float:
+    """Best wall time of ``fn()`` over ``repeats`` runs, after one warm-up run."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.no_grad()
+def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, repeats: int = 2) -> dict:
+    """
+    Time a target forward of ``n`` new tokens on top of the KV cache of ``input_ids``, for each ``n`` in ``sizes``.
+
+    Each timed forward extends a copy of the same prefilled cache (any cache type works), so nothing of a live
+    ``generate`` call is touched.
+
+    Args:
+        target (`PreTrainedModel`): the target.
+        input_ids (`torch.LongTensor` [B, L]): the context the cache holds.
+        sizes (`tuple[int]`): numbers of new tokens.
+        repeats (`int`): timed forwards per size after a warm-up; the fastest is kept.
+
+    Returns:
+        `dict[int, float]`: seconds per forward, by number of new tokens.
+    """
+    params = inspect.signature(target.forward).parameters
+    cache_key = "cache" if "cache" in params else "past_key_values"
+    keep = (lambda n: {"logits_to_keep": n}) if "logits_to_keep" in params else (lambda n: {})
+    device = input_ids.device
+    out = target(input_ids=input_ids, use_cache=True, **keep(1))
+    prefilled = getattr(out, "cache", None) or out.past_key_values
+    context = input_ids.shape[1]
+    costs = {}
+    for n in sizes:
+        new = input_ids[:, -1:].repeat(1, n)
+        positions = torch.arange(context, context + n, device=device)[None].expand(input_ids.shape[0], -1)
+
+        def run(cache):
+            target(input_ids=new, position_ids=positions, use_cache=True, **keep(n), **{cache_key: cache})
+
+        run(copy.deepcopy(prefilled))  # warm-up
+        best = math.inf
+        for _ in range(repeats):
+            cache = copy.deepcopy(prefilled)  # each forward extends the same context; the copy is not timed
+            _sync(device)
+            start = time.perf_counter()
+            run(cache)
+            _sync(device)
+            best = min(best, time.perf_counter() - start)
+        costs[n] = best
+    return costs
+
+
+@torch.no_grad()
+def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOKENS, feed_sizes=FEED_SIZES,
+                          repeats: int = 2) -> tuple[dict, float]:
+    """
+    Time the draft's feed (a forward over ``m`` verified positions) and its one-token step, on random inputs.
+
+    Args:
+        draft (`Eagle3DraftModel`): the draft, on its device and in its dtype.
+        batch_size (`int`): rows.
+        context (`int`): positions already in the draft's cache.
+        feed_sizes (`tuple[int]`): feed sizes to time.
+        repeats (`int`): timed runs per size after a warm-up; the fastest is kept.
+
+    Returns:
+        ``(feed_seconds_by_size, step_seconds)``.
+    """
+    from .modeling_eagle3 import Eagle3KVCache
+
+    device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
+    width = draft.fc.weight.shape[1]
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def inputs(n):
+        ids = torch.randint(0, draft.config.vocab_size, (batch_size, n), generator=generator).to(device)
+        feats = torch.randn(batch_size, n, width, generator=generator).to(device=device, dtype=dtype)
+        return ids, feats
+
+    cache = Eagle3KVCache()
+    ids, feats = inputs(context)
+    out = draft(input_ids=ids, target_features=feats, cache=cache, logits_to_keep=1)
+
+    feed = {}
+    for m in feed_sizes:
+        ids, feats = inputs(m)
+
+        def run():
+            cache.crop(context)
+            draft(input_ids=ids, target_features=feats, cache=cache, logits_to_keep=1)
+
+        feed[m] = _time(run, device, repeats)
+    hidden = out.hidden_states[:, -1:]
+    token = ids[:, :1]
+
+    def step():
+        cache.crop(context)
+        draft(input_ids=token, hidden_states=hidden, cache=cache, logits_to_keep=1)
+
+    return feed, _time(step, device, repeats)
+
+
+_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = False) -> Eagle3Costs:
+    """
+    The round costs of ``target`` with ``draft``: measured on the first use of each target / draft / device / dtype /
+    batch size, then kept for the process (a dozen target forwards on a ``CONTEXT_TOKENS``-token context).
+
+    Args:
+        target (`PreTrainedModel`): the target.
+        draft (`Eagle3DraftModel`): the draft.
+        input_ids (`torch.LongTensor` [B, L]): a context to time on (its first ``CONTEXT_TOKENS`` tokens are used,
+            repeated when shorter).
+        refresh (`bool`): measure again even when known.
+    """
+    param = next(target.parameters())
+    key = (str(param.device), str(param.dtype), input_ids.shape[0], str(draft.fc.weight.dtype),
+           tuple(draft.fc.weight.shape), tuple(draft.lm_head.weight.shape) if hasattr(draft, "lm_head") else None)
+    known = _COSTS.setdefault(target, {})
+    if key not in known or refresh:
+        context = input_ids[:, :CONTEXT_TOKENS]
+        if context.shape[1] < CONTEXT_TOKENS:
+            context = context.repeat(1, math.ceil(CONTEXT_TOKENS / context.shape[1]))[:, :CONTEXT_TOKENS]
+        target_seconds = measure_target_seconds(target, context.to(param.device))
+        feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0])
+        known[key] = Eagle3Costs(target=target_seconds, draft_feed=feed, draft_step=step)
+    return known[key]
+
+
+# --------------------------------------------------------------------------------------------------- the policy
+@dataclass
+class Eagle3AcceptanceEstimate:
+    """
+    Conditional acceptance per draft position, from decayed counts and a prior.
+
+    ``rate(i) = (accepted_i + w * prior_i) / (reached_i + w)``: ``reached_i`` counts rounds that drafted position
+    ``i`` with every earlier draft token accepted, ``accepted_i`` those that also accepted it (each count decays by
+    ``decay`` per drafted round). The prior of position 1 is ``prior``; that of a later position is the estimate of the
+    one before it, so what was learnt at short drafts carries over to longer ones.
+
+    Args:
+        prior (`float`): conditional acceptance assumed before any observation.
+        prior_weight (`float`): weight of the prior, in rounds.
+        decay (`float`): per drafted round.
+    """
+
+    prior: float = PRIOR_ACCEPTANCE
+    prior_weight: float = PRIOR_WEIGHT
+    decay: float = DECAY
+    reached: list = field(default_factory=list)
+    accepted: list = field(default_factory=list)
+
+    def rates(self, k: int) -> list[float]:
+        """
+        The conditional acceptance of draft positions 1..k.
+
+        Args:
+            k (`int`): positions.
+        """
+        out, prior = [], self.prior
+        for i in range(k):
+            reached = self.reached[i] if i < len(self.reached) else 0.0
+            accepted = self.accepted[i] if i < len(self.accepted) else 0.0
+            prior = (accepted + self.prior_weight * prior) / (reached + self.prior_weight)
+            out.append(prior)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        """
+        Expected tokens of a round that drafts ``k`` (the target's own token included).
+
+        Args:
+            k (`int`): tokens drafted.
+        """
+        total, chain = 1.0, 1.0
+        for rate in self.rates(k):
+            chain *= rate
+            total += chain
+        return total
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """
+        Record a round.
+
+        Args:
+            drafted (`int`): tokens drafted (0: nothing is recorded).
+            accepted (`int`): how many of them, from the first, were accepted.
+        """
+        if drafted <= 0:
+            return
+        grow = drafted - len(self.reached)
+        if grow > 0:
+            self.reached += [0.0] * grow
+            self.accepted += [0.0] * grow
+        self.reached = [r * self.decay for r in self.reached]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for i in range(min(drafted, accepted + 1)):
+            self.reached[i] += 1.0
+            if i < accepted:
+                self.accepted[i] += 1.0
+
+    def carried(self) -> "Eagle3AcceptanceEstimate":
+        """A copy for the next call: the current rates become its prior, at no more than the prior's weight."""
+        rates = self.rates(max(1, len(self.reached)))
+        scale = [min(1.0, self.prior_weight / r) if r > 0 else 0.0 for r in self.reached]
+        return Eagle3AcceptanceEstimate(
+            prior=rates[0], prior_weight=self.prior_weight, decay=self.decay,
+            reached=[r * s for r, s in zip(self.reached, scale)], accepted=[a * s for a, s in zip(self.accepted, scale)],
+        )
+
+
+class Eagle3DraftLengthPolicy:
+    r"""
+    Chooses the draft length of each round (``num_assistant_tokens_schedule="auto"``): the ``k`` in ``0..max_k``
+    with the most expected tokens per second, from the measured round costs (:class:`Eagle3Costs`), the acceptance
+    seen so far (:class:`Eagle3AcceptanceEstimate`) and the per-round overhead measured in the call.
+
+    ``k = 0`` (draft nothing: the round is a plain target step) wins when no draft length pays. Since nothing is
+    learnt while not drafting, the policy then drafts a probe round after :data:`PROBE_EVERY` such rounds, and
+    doubles that interval (up to :data:`MAX_PROBE_EVERY`) each time the probe does not change its mind.
+
+    Args:
+        costs (`Eagle3Costs`): measured forward costs.
+        estimate (`Eagle3AcceptanceEstimate`, *optional*): acceptance so far (e.g. carried from the previous call).
+        probe_every (`int`): rounds without a draft before the next probe (e.g. carried from the previous call).
+    """
+
+    def __init__(self, costs: Eagle3Costs, estimate: Eagle3AcceptanceEstimate | None = None,
+                 probe_every: int = PROBE_EVERY):
+        self.costs = costs
+        self.estimate = estimate if estimate is not None else Eagle3AcceptanceEstimate()
+        self.overhead = {False: 0.0, True: 0.0}  # measured minus modelled seconds, rounds without / with a draft
+        self._measured = {False: False, True: False}
+        self.probe_every = int(probe_every)
+        self._skipped = 0
+        self._probing = False
+
+    def tokens_per_second(self, k: int, feed: int = 1) -> float:
+        """
+        Expected tokens per second of a round drafting ``k`` after feeding ``feed`` positions.
+
+        Args:
+            k (`int`): tokens drafted (0: a plain target step).
+            feed (`int`): positions the draft consumes first.
+        """
+        drafting = k > 0
+        overhead = self.overhead[drafting] if self._measured[drafting] else self.overhead[not drafting]
+        seconds = self.costs.round_seconds(k, feed) + overhead
+        return self.estimate.expected_tokens(k) / max(seconds, 1e-9)
+
+    def best(self, max_k: int, feed: int = 1, lowest: int = 0) -> int:
+        """
+        The ``k`` in ``lowest..max_k`` with the most expected tokens per second.
+
+        Args:
+            max_k (`int`): longest draft allowed.
+            feed (`int`): positions the draft consumes first.
+            lowest (`int`): shortest draft considered.
+        """
+        rates = {k: self.tokens_per_second(k, feed) for k in range(lowest, max_k + 1)}
+        return max(rates, key=rates.get)
+
+    def choose(self, max_k: int, feed: int = 1) -> int:
+        """
+        The draft length of the next round, probes included.
+
+        Args:
+            max_k (`int`): longest draft allowed this round.
+            feed (`int`): verified positions the draft has not consumed yet.
+        """
+        if max_k <= 0:
+            return 0
+        k = self.best(max_k, feed)
+        if k > 0:
+            if self._probing:
+                self.probe_every = PROBE_EVERY  # the probe paid: drafting is back
+            self._probing, self._skipped = False, 0
+            return k
+        if self._probing:  # the last probe did not change the decision: probe less often
+            self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+            self._probing = False
+        self._skipped += 1
+        if self._skipped < self.probe_every:
+            return 0
+        self._skipped, self._probing = 0, True
+        return self.best(max_k, feed, lowest=1)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """
+        Record the acceptance of a finished round.
+
+        Args:
+            drafted (`int`): tokens drafted.
+            accepted (`int`): how many of them were accepted.
+        """
+        self.estimate.observe(drafted, accepted)
+
+    def observe_time(self, drafted: int, seconds: float, feed: int = 1) -> None:
+        """
+        Record the wall time of a finished round; what the costs do not explain becomes the per-round overhead.
+
+        Args:
+            drafted (`int`): tokens drafted.
+            seconds (`float`): the round's wall time (drafting, verification, bookkeeping).
+            feed (`int`): positions the draft consumed at the start of the round.
+        """
+        drafting = drafted > 0
+        residual = seconds - self.costs.round_seconds(drafted, feed)
+        if not self._measured[drafting]:
+            self.overhead[drafting], self._measured[drafting] = residual, True
+        else:
+            self.overhead[drafting] += OVERHEAD_SMOOTHING * (residual - self.overhead[drafting])
+
+    def carried(self) -> dict:
+        """What the next call of the same draft starts from: the acceptance estimate (as a prior) and the probe
+        interval (see :meth:`from_carried`)."""
+        return {"estimate": self.estimate.carried(), "probe_every": self.probe_every}
+
+    @classmethod
+    def from_carried(cls, costs: Eagle3Costs, carried: dict | None) -> "Eagle3DraftLengthPolicy":
+        """
+        A policy for a new call, starting from what :meth:`carried` returned at the end of the last one (or fresh).
+
+        Args:
+            costs (`Eagle3Costs`): measured forward costs.
+            carried (`dict`, *optional*): the previous call's state.
+        """
+        return cls(costs, **(carried or {}))

@@ -1,0 +1,267 @@
+"""The cost model and the ``"auto"`` draft-length policy (``num_assistant_tokens_schedule="auto"``).
+
+The policy is tested on stubbed costs (it drafts nothing when verification is costly and acceptance low, long drafts
+when verification is free and acceptance high, and probes while it drafts nothing); decoding with it stays lossless
+(greedy identity on four architectures with rounds that draft nothing between rounds that draft, the draft's cache
+equal to a from-scratch forward after deferred feeds, the chi-square test with a negative control); an explicit
+``num_assistant_tokens`` is never overridden; the costs are measured once per target and kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import cached_target as target_of
+from conftest import assisted_continuations, greedy, random_prompt, sampling_models, tiny_draft, token_p_values
+from test_core_greedy import draft_covering, oracle_select, scratch_draft_logits, target_features
+from test_core_sampling import ALPHA, PROMPT, SAMPLING, _broken_processors, plain_samples, target_like
+
+from hf_eagle3 import Eagle3CandidateGenerator, cost_model
+from hf_eagle3.cost_model import (
+    PROBE_EVERY,
+    Eagle3AcceptanceEstimate,
+    Eagle3Costs,
+    Eagle3DraftLengthPolicy,
+    interpolate,
+    measure_costs,
+)
+
+ARCHS = ("llama", "qwen3", "mistral", "gemma3")
+AUTO = {"num_assistant_tokens_schedule": "auto"}
+
+
+def costs(verify_slope: float, step: float = 0.05) -> Eagle3Costs:
+    """Stub costs: a one-token target forward takes 1 s, each further token ``verify_slope`` s; draft steps ``step``."""
+    target = {n: 1.0 + verify_slope * (n - 1) for n in (1, 2, 4, 8, 16)}
+    return Eagle3Costs(target=target, draft_feed={1: step, 16: 2 * step}, draft_step=step)
+
+
+def estimate(rate: float, rounds: int = 200, k: int = 8) -> Eagle3AcceptanceEstimate:
+    """An estimate that has seen ``rounds`` rounds of ``k`` drafts, each accepted with conditional rate ``rate``."""
+    est = Eagle3AcceptanceEstimate(decay=1.0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < k and torch.rand((), generator=gen) < rate:
+            accepted += 1
+        est.observe(k, accepted)
+    return est
+
+
+# ------------------------------------------------------------------------------------------------ the policy alone
+def test_interpolate():
+    table = {1: 1.0, 2: 3.0, 4: 4.0}
+    assert interpolate(table, 1) == 1.0 and interpolate(table, 0) == 1.0
+    assert interpolate(table, 3) == pytest.approx(3.5)
+    assert interpolate(table, 6) == pytest.approx(5.0)  # linear beyond the last size
+
+
+def test_estimate_is_conditional_and_follows_the_prior():
+    est = Eagle3AcceptanceEstimate(prior=0.5, prior_weight=2.0, decay=1.0)
+    assert est.rates(3) == [0.5, 0.5, 0.5]
+    assert est.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)
+    for _ in range(8):
+        est.observe(2, 2)  # both accepted
+    for _ in range(8):
+        est.observe(2, 0)  # the first rejected: position 2 not reached
+    rates = est.rates(3)
+    assert rates[0] == pytest.approx((8 + 1) / (16 + 2))
+    assert rates[1] == pytest.approx((8 + 2 * rates[0]) / (8 + 2))  # 8 of the 8 rounds that reached it
+    assert rates[2] == pytest.approx(rates[1])  # never drafted: inherits the position before it
+    decayed = Eagle3AcceptanceEstimate(decay=0.5)
+    for _ in range(10):
+        decayed.observe(1, 1)
+    for _ in range(3):
+        decayed.observe(1, 0)
+    assert decayed.rates(1)[0] < 0.5  # recent rejections dominate older acceptances
+
+
+@pytest.mark.parametrize("max_k", [1, 5, 8])
+def test_policy_drafts_nothing_when_verification_is_costly_and_acceptance_low(max_k):
+    policy = Eagle3DraftLengthPolicy(costs(verify_slope=0.6), estimate(0.3))
+    assert policy.best(max_k) == 0
+    choices = [policy.choose(max_k) for _ in range(PROBE_EVERY * 8)]
+    probes = [i for i, k in enumerate(choices) if k > 0]
+    assert choices[: PROBE_EVERY - 1] == [0] * (PROBE_EVERY - 1)
+    assert probes[0] == PROBE_EVERY - 1  # a probe after PROBE_EVERY rounds without a draft
+    assert probes[1] - probes[0] == 2 * PROBE_EVERY  # that did not pay: the next one comes twice as late
+    assert len(probes) <= 3
+
+
+def test_policy_drafts_long_when_verification_is_free_and_acceptance_high():
+    policy = Eagle3DraftLengthPolicy(costs(verify_slope=0.0, step=0.02), estimate(0.85))
+    assert policy.choose(7) == 7
+    assert policy.choose(3) == 3
+
+
+def test_policy_picks_an_interior_length_and_returns_after_a_probe_that_pays():
+    policy = Eagle3DraftLengthPolicy(costs(verify_slope=0.15), estimate(0.6))
+    k = policy.choose(8)
+    assert 1 <= k < 8  # each token verified costs 0.15: long drafts stop paying
+    policy = Eagle3DraftLengthPolicy(costs(verify_slope=0.6), estimate(0.3, rounds=4))
+    while policy.choose(5) == 0:
+        pass  # the probe round
+    for _ in range(60):  # the text turns easy: every probe token accepted
+        policy.observe(5, 5)
+    assert policy.choose(5) > 0
+    assert policy.probe_every == PROBE_EVERY
+
+
+def test_policy_learns_the_round_overhead():
+    policy = Eagle3DraftLengthPolicy(costs(verify_slope=0.1), estimate(0.5))
+    assert policy.best(4) > 0
+    for _ in range(20):  # drafting rounds take 2 s more than the costs say (e.g. a slow Python loop)
+        policy.observe_time(2, policy.costs.round_seconds(2, 1) + 2.0, feed=1)
+        policy.observe_time(0, policy.costs.round_seconds(0), feed=0)
+    assert policy.overhead[True] == pytest.approx(2.0, rel=0.05)
+    assert policy.best(4) == 0
+
+
+def test_policy_state_carries_to_the_next_call():
+    policy = Eagle3DraftLengthPolicy(costs(verify_slope=0.6), estimate(0.3))
+    for _ in range(40):
+        policy.choose(5)
+    carried = policy.carried()
+    nxt = Eagle3DraftLengthPolicy.from_carried(policy.costs, carried)
+    assert nxt.probe_every == policy.probe_every > PROBE_EVERY
+    assert nxt.estimate.rates(1)[0] == pytest.approx(policy.estimate.rates(1)[0], abs=0.02)
+    assert max(nxt.estimate.reached) <= nxt.estimate.prior_weight + 1e-9  # a prior, not a history
+
+
+# ---------------------------------------------------------------------------------------- decoding with "auto"
+def scripted_choices(pattern):
+    """A ``choose`` that follows ``pattern`` (cycled, capped at ``max_k``) instead of the clock."""
+    it = itertools.cycle(pattern)
+
+    def choose(self, max_k, feed=1):
+        return min(next(it), max_k)
+
+    return choose
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_auto_greedy_identity_with_rounds_that_draft_nothing(arch, monkeypatch):
+    target = target_of(arch)
+    draft = tiny_draft(target, 48, seed=2)
+    monkeypatch.setattr(Eagle3DraftLengthPolicy, "choose", scripted_choices([0, 0, 3, 0, 1, 0, 0, 0, 4, 2]))
+    for length, max_new in [(5, 17), (11, 30)]:
+        ids = random_prompt(length, seed=length)
+        ref = greedy(target, ids, max_new_tokens=max_new)
+        out = greedy(target, ids, max_new_tokens=max_new, assistant_model=draft, **AUTO)
+        assert torch.equal(out, ref)
+        stats = draft.last_stats
+        assert stats.num_drafts > 0 and stats.num_rounds_without_draft > 0
+        assert stats.num_target_forwards == stats.num_drafts + stats.num_rounds_without_draft + 1
+
+
+def test_auto_real_policy_greedy_identity():
+    """The unscripted policy (real timing of a tiny target) decodes losslessly and records its choices."""
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=2)
+    ids = random_prompt(9, seed=3)
+    ref = greedy(target, ids, max_new_tokens=40)
+    out = greedy(target, ids, max_new_tokens=40, assistant_model=draft, num_assistant_tokens=4, **AUTO)
+    assert torch.equal(out, ref)
+    stats = draft.last_stats
+    assert stats.num_target_forwards == stats.num_drafts + stats.num_rounds_without_draft + 1
+    assert len(stats.drafted_per_position) <= 4
+    assert draft._draft_length_state["estimate"] is not None  # carried to the next call
+
+
+def test_deferred_feed_matches_scratch_forward(monkeypatch):
+    """After rounds that draft nothing, the draft consumes all the verified positions at once: its scores equal a
+    from-scratch forward over the whole sequence, at every draft step."""
+    target = target_of("llama")
+    length, k = 14, 3
+    ids = random_prompt(length, seed=21)
+    ref = greedy(target, ids, max_new_tokens=24)
+    draft = draft_covering(target, ref[0, length:].tolist(), 48, seed=5)
+    record = []
+    monkeypatch.setattr(Eagle3CandidateGenerator, "_select", oracle_select(target, draft, {length + 2, length + 9},
+                                                                             record=record))
+    original_get = Eagle3CandidateGenerator.get_candidates
+
+    def get_candidates(self, input_ids, **kwargs):
+        record.append(("round", input_ids.shape[1]))
+        return original_get(self, input_ids, **kwargs)
+
+    monkeypatch.setattr(Eagle3CandidateGenerator, "get_candidates", get_candidates)
+    monkeypatch.setattr(Eagle3DraftLengthPolicy, "choose", scripted_choices([0, 0, 0, k, 0, 2, 0, 0, k]))
+    with torch.no_grad():
+        out = greedy(target, ids, max_new_tokens=24, assistant_model=draft, num_assistant_tokens=k, **AUTO)
+    assert torch.equal(out, ref)
+    assert draft.last_stats.num_accepted_tokens > 0
+
+    from hf_eagle3 import find_decoder_layers
+
+    layer_ids = draft.config.resolve_feature_layer_ids(len(find_decoder_layers(target)))
+    feats = target_features(target, out, layer_ids)
+    checked, cur_len = 0, None
+    with torch.no_grad():
+        for seq, scores in record:
+            if seq == "round":
+                cur_len = scores
+                continue
+            torch.testing.assert_close(scores, scratch_draft_logits(draft, feats, seq, cur_len), atol=1e-4, rtol=1e-4)
+            checked += 1
+    assert checked >= 2 * k
+
+
+def test_explicit_num_assistant_tokens_is_never_overridden(monkeypatch):
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=3)
+    draft.generation_config.num_assistant_tokens_schedule = "auto"
+    monkeypatch.setattr(Eagle3DraftLengthPolicy, "choose", scripted_choices([0]))  # "auto" would never draft
+    ids = random_prompt(6, seed=1)
+    greedy(target, ids, max_new_tokens=12, assistant_model=draft)  # the saved "auto"
+    assert draft.last_stats.num_drafts == 0
+    greedy(target, ids, max_new_tokens=12, assistant_model=draft, num_assistant_tokens=3)
+    stats = draft.last_stats
+    assert stats.drafted_per_position == [10, 9, 8]  # 3 per round (the random draft's are rejected), to the end
+    assert stats.num_rounds_without_draft == 1  # only the last round, with max_length reached
+    assert draft.generation_config.num_assistant_tokens_schedule == "auto"
+    with pytest.raises(ValueError, match="auto"):
+        greedy(target, ids, max_new_tokens=4, assistant_model=draft, num_assistant_tokens_schedule="fastest")
+
+
+def test_costs_are_measured_once_per_target(monkeypatch):
+    target = target_of("qwen3")
+    draft = tiny_draft(target, seed=4)
+    draft.bind_target(target)  # generate does it before the policy measures
+    ids = random_prompt(8, seed=4)
+    first = measure_costs(target, draft, ids)
+    assert set(first.target) == set(cost_model.TARGET_SIZES)
+    assert all(s > 0 for s in first.target.values()) and first.draft_step > 0
+    calls = []
+    monkeypatch.setattr(cost_model, "measure_target_seconds", lambda *a, **k: calls.append(1) or first.target)
+    assert measure_costs(target, draft, random_prompt(20, seed=5)) is first
+    assert not calls
+    measure_costs(target, draft, ids, refresh=True)
+    assert calls == [1]
+    assert first.to_dict()["target_ratio"]["1"] == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+@pytest.mark.parametrize("broken", [False, True], ids=["auto", "negative_control"])
+def test_auto_sampling_keeps_target_distribution(broken, monkeypatch):
+    """Rounds that draft 0, 1 or 2 tokens, sampled: the target's distribution (and a broken generator is caught)."""
+    target, draft = sampling_models()
+    monkeypatch.setattr(Eagle3DraftLengthPolicy, "choose", scripted_choices([0, 2, 1, 2, 0, 2]))
+    if broken:
+        monkeypatch.setattr(Eagle3CandidateGenerator, "_select", target_like(_broken_processors))
+    old = draft.generation_config.num_assistant_tokens_schedule
+    draft.generation_config.num_assistant_tokens_schedule = "auto"
+    try:
+        samples, accepted = assisted_continuations(target, draft, PROMPT, 300 if broken else 500, seed=7000,
+                                                   num_assistant_tokens=2, num_assistant_tokens_schedule="auto",
+                                                   **SAMPLING)
+    finally:
+        draft.generation_config.num_assistant_tokens_schedule = old
+    p = token_p_values(samples, plain_samples())
+    if broken:
+        assert min(p.values()) < ALPHA / 3, p
+    else:
+        assert accepted > 0.2
+        assert min(p.values()) > ALPHA / 3, p
