@@ -713,6 +713,12 @@ def bench_command(args) -> int:
     Returns:
         0, or 1 when greedy outputs differ between strategies.
     """
+    if getattr(args, "oracle", None):
+        from hf_eagle3.oracle_bench import oracle_command
+
+        return oracle_command(args)
+    if getattr(args, "synthetic", None):
+        raise SystemExit("--synthetic needs --oracle (a random-weight target accepts nothing without it)")
     defaults = QUICK if args.quick else DEFAULTS
     num_prompts = args.num_prompts if args.num_prompts is not None else defaults["num_prompts"]
     max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else defaults["max_new_tokens"]

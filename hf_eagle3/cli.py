@@ -100,7 +100,20 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "eagle3_chain, eagle3_tree)")
     p.add_argument("--quick", action="store_true",
                    help="CI-sized run: 20 prompts, 16 new tokens, k in 1,3,5, greedy only (explicit options still win)")
-    p.add_argument("--out-dir", default="bench_out", help="where to write bench.json/.md/.png (default bench_out)")
+    p.add_argument("--out-dir", default="bench_out",
+                   help="where to write bench.json/.md/.png (oracle.json/.md with --oracle) (default bench_out)")
+    p.add_argument("--oracle", default=None, metavar="PROFILE",
+                   help="oracle bench instead: the draft runs but its proposals are the target's own greedy "
+                        "continuation, accepted per position as PROFILE says (a name: llama3-8b, perfect, none; "
+                        "rates like 0.8,0.6,0.4; or one conditional rate like 0.7); reports speed-up, cost-model bound "
+                        "and per-round overhead for chains k in --ks (default 1..7) and auto (default: off)")
+    p.add_argument("--synthetic", default=None, metavar="SHAPE",
+                   help="with --oracle: a random-weight target of a published shape instead of --target "
+                        "(llama-3.1-8b, llama-3.2-1b, qwen3-8b, qwen3-1.7b, tiny) with a random draft (default: off)")
+    p.add_argument("--prompt-tokens", type=int, default=128,
+                   help="with --synthetic: random prompt length in tokens (default 128)")
+    p.add_argument("--draft-vocab-size", type=int, default=32000,
+                   help="with --synthetic: the random draft's vocabulary (default 32000, as the Llama-3.1-8B draft)")
     add_model_placement(p)
     p.set_defaults(func=_run_bench)
     return p

@@ -50,6 +50,7 @@ CORE_FILES = (
     "configuration_eagle3.py",
     "modeling_eagle3.py",
     "candidate_generator.py",
+    "cost_model.py",
     "feature_capture.py",
     "logits_process.py",
     "tree_decoding.py",

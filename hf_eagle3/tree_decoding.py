@@ -11,6 +11,8 @@ Core file: imports only torch/transformers and the other core files.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import time
 import weakref
@@ -374,6 +376,25 @@ class Eagle3TreeDrafter:
         return DraftTree(tokens, tree_parents, tree_depths, ancestors, scores[chosen], max_depth)
 
 
+_TREE_DRAFTER_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_tree_drafter_class", default=None)
+
+
+@contextlib.contextmanager
+def use_tree_drafter(drafter_class):
+    """
+    Within the block, EAGLE-3 tree calls of ``generate`` draft with ``drafter_class`` (a subclass of
+    :class:`Eagle3TreeDrafter`) instead: how benchmarks swap in instrumented drafting (``hf-eagle3 bench --oracle``).
+
+    Args:
+        drafter_class (`type`): the tree drafter class.
+    """
+    token = _TREE_DRAFTER_CLASS.set(drafter_class)
+    try:
+        yield
+    finally:
+        _TREE_DRAFTER_CLASS.reset(token)
+
+
 # ------------------------------------------------------------------------------------------------ "auto" tree size
 _TARGET_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -629,7 +650,7 @@ def eagle3_tree_decoding(
     device = input_ids.device
     dtype = model.dtype
 
-    drafter = Eagle3TreeDrafter(draft)
+    drafter = (_TREE_DRAFTER_CLASS.get() or Eagle3TreeDrafter)(draft)
     # Padding of the prompt (batch of one with a 2D mask that has zeros) stays masked in the tree forwards.
     attention_mask = model_kwargs.get("attention_mask")
     prefix_allowed = None

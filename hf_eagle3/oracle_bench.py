@@ -1,0 +1,363 @@
+"""``hf-eagle3 bench --oracle PROFILE``: the speed the implementation reaches for a given acceptance, apart from
+any draft's quality.
+
+The draft's forwards run as usual (their cost is real) but the tokens it proposes are replaced by the target's own
+greedy continuation, accepted up to a length drawn each round from an acceptance profile (per draft position, the
+fraction of rounds whose token there is accepted, e.g. the seed's Llama-3.1-8B profile); the first token past that
+length is made wrong. The output stays the target's, and is checked against plain ``generate``. For each draft length
+the bench reports the measured speed-up, the bound the cost model (:mod:`hf_eagle3.cost_model`) predicts for the same
+profile, and where a round's time goes (draft, verification, bookkeeping).
+
+Targets: any model ``hf-eagle3 bench`` loads, or a random-weight model of a published shape (``--synthetic``), so the
+implementation can be measured on a GPU without downloading weights.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import hf_eagle3
+from hf_eagle3.candidate_generator import use_candidate_generator
+from hf_eagle3.cost_model import measure_costs
+from hf_eagle3.oracle import expected_tokens, oracle_drafter_class, oracle_generator_class, parse_profile
+from hf_eagle3.synthetic import synthetic_target
+from hf_eagle3.tree_decoding import use_tree_drafter
+
+
+class _ForwardTimer:
+    """Forward hooks on the target that add up its forward time (synchronised on CUDA)."""
+
+    def __init__(self, model):
+        self.model, self.times, self._start, self._handles = model, [], None, []
+
+    @property
+    def prefill(self) -> float:
+        """Seconds of the first forward (the prompt's)."""
+        return self.times[0] if self.times else 0.0
+
+    @property
+    def decode(self) -> float:
+        """Seconds of the forwards after the first."""
+        return sum(self.times[1:])
+
+    def _sync(self):
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    def __enter__(self):
+        def pre(module, args, kwargs):
+            self._sync()
+            self._start = time.perf_counter()
+
+        def post(module, args, kwargs, output):
+            self._sync()
+            self.times.append(time.perf_counter() - self._start)
+
+        self._handles = [self.model.register_forward_pre_hook(pre, with_kwargs=True),
+                         self.model.register_forward_hook(post, with_kwargs=True)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        return False
+
+
+def limiting_resource(costs, target, bookkeeping_share: float | None) -> str:
+    """
+    One sentence naming what limits decoding on this machine, from the measured forward costs.
+
+    Args:
+        costs (`Eagle3Costs`): measured costs.
+        target: the target (its parameter count and dtype give the bytes a forward reads).
+        bookkeeping_share (`float`, *optional*): share of a round spent outside the forwards.
+    """
+    params = sum(p.numel() for p in target.parameters())
+    size = next(target.parameters()).element_size()
+    one, eight = costs.target_seconds(1), costs.target_seconds(8)
+    bandwidth = params * size / one / 1e9
+    flops = 2 * params * 8 / eight / 1e12
+    ratio = eight / one
+    if params * size < 100e6:
+        verdict = "per-forward fixed costs (Python, kernel launches: the model is too small to be bandwidth-bound)"
+    elif ratio < 1.3:
+        verdict = "memory bandwidth (reading the weights): verifying 8 tokens costs about as much as 1"
+    else:
+        verdict = "compute: each verified token adds to the forward's time"
+    text = (f"limited by {verdict} (8 tokens cost {ratio:.2f}x one; a one-token forward reads the weights at "
+            f"{bandwidth:.1f} GB/s, an 8-token forward runs at {flops:.3f} TFLOP/s)")
+    if bookkeeping_share is not None and bookkeeping_share > 0.2:
+        text += f"; host-side bookkeeping takes {100 * bookkeeping_share:.0f} % of a round"
+    return text
+
+
+TREE_SHAPES = ((4, 4, 8), (8, 6, 32))  # (tree_top_k, tree_depth, tree_total_tokens) of the oracle's tree rows
+
+
+def round_bound(costs, profile, k: int | None = None, tree: tuple | None = None, tree_depths=None) -> float:
+    """
+    The speed-up the cost model predicts for a chain of length ``k``, or for a ``(top_k, depth, total)`` tree whose
+    one path carries the profile (expected tokens from the depths its trees really had): expected tokens per round
+    over the round's cost in one-token target forwards.
+
+    Args:
+        costs (`Eagle3Costs`): measured costs.
+        profile (`tuple[float]`): per-position acceptance.
+        k (`int`, *optional*): chain length.
+        tree (`tuple[int, int, int]`, *optional*): tree shape.
+        tree_depths (`list[int]`, *optional*): the depth of each round's tree (default: the shape's depth).
+    """
+    if tree is None:
+        expected = expected_tokens(profile, k)
+        seconds = costs.round_seconds(k, feed=max(1, round(expected)))
+    else:
+        top_k, depth, total = tree
+        depths = tree_depths or [min(depth, total)]
+        expected = sum(expected_tokens(profile, d) for d in depths) / len(depths)
+        seconds = (costs.feed_seconds(max(1, round(expected))) + (depth - 1) * costs.feed_seconds(top_k)
+                   + costs.target_seconds(total + 1))
+    return expected * costs.target_seconds(1) / seconds
+
+
+def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6, 7), max_new_tokens: int = 64,
+                     auto: bool = True, tree_shapes=TREE_SHAPES, seed: int = 0, progress: bool = True) -> dict:
+    """
+    Time plain greedy ``generate`` and EAGLE-3 chains under the oracle for each ``k`` (and ``"auto"``), per prompt in
+    turn, and compare with the cost model's bound.
+
+    Args:
+        target: the target (eval mode).
+        draft (`Eagle3DraftModel`): a draft of the target's shape (its weights do not matter).
+        prompts (`list[torch.LongTensor]`): prompt ids ``[1, L]`` each.
+        profile (`tuple[float]`): per-position acceptance (see :func:`parse_profile`).
+        ks (`tuple[int]`): constant draft lengths.
+        max_new_tokens (`int`): new tokens per call.
+        auto (`bool`): add a ``num_assistant_tokens_schedule="auto"`` row (draft lengths up to ``max(ks)``).
+        tree_shapes (`tuple`): ``(tree_top_k, tree_depth, tree_total_tokens)`` of tree rows (see
+            :class:`OracleTreeDrafter`).
+        seed (`int`): seed of the acceptance draws.
+        progress (`bool`): print a line per prompt on stderr.
+
+    Every time is of the decoding after the prompt's forward (which plain and EAGLE-3 share): speed-ups are of that
+    part, and a round is a target forward after the prefill.
+
+    Returns:
+        The report: ``settings``, ``costs``, ``rows`` (per strategy: speed-up, bound, acceptance, per-round times in
+        ms), ``identical`` and ``limited_by``.
+    """
+    device = target.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    draft.bind_target(target)
+    warm = prompts[0][:, :16].to(device)
+    target.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, do_sample=False)
+    costs = measure_costs(target, draft, prompts[0].to(device))
+    # (name, generate kwargs, k, tree shape)
+    strategies = [(f"chain k={k}", {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant"}, k, None)
+                  for k in ks]
+    if auto:
+        strategies.append((f"auto k<={max(ks)}", {"num_assistant_tokens": max(ks),
+                                                  "num_assistant_tokens_schedule": "auto"}, None, None))
+    for shape in tree_shapes:
+        kwargs = dict(zip(("tree_top_k", "tree_depth", "tree_total_tokens"), shape))
+        strategies.append((f"tree {shape[0]}x{shape[1]}x{shape[2]}", kwargs, None, tuple(shape)))
+    totals = {name: {"seconds": 0.0, "tokens": 0, "draft": 0.0, "verify": 0.0, "rounds": 0, "stats": None,
+                     "tree_depths": []}
+              for name in ["plain"] + [strategy[0] for strategy in strategies]}
+
+    def add(total, seconds, tokens, timer, forwards):
+        """Add a call's decoding part (after the prefill, which plain and EAGLE-3 share) to ``total``."""
+        total["seconds"] += seconds - timer.prefill
+        total["tokens"] += tokens - 1  # the prefill's token
+        total["verify"] += timer.decode
+        total["rounds"] += forwards - 1
+
+    identical = True
+    for index, ids in enumerate(prompts):
+        ids = ids.to(device)
+        mask = torch.ones_like(ids)
+        with _ForwardTimer(target) as timer:
+            sync()
+            start = time.perf_counter()
+            ref = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+            sync()
+        add(totals["plain"], time.perf_counter() - start, ref.shape[1] - ids.shape[1], timer, len(timer.times))
+        reference = ref[0].tolist()
+        for name, kwargs, _, shape in strategies:
+            created = []
+            if shape is None:
+                base, install = oracle_generator_class(reference, profile, seed=seed + index), use_candidate_generator
+            else:
+                base, install = oracle_drafter_class(reference, profile, seed=seed + index), use_tree_drafter
+
+            class Recording(base):
+                def __init__(self, *a, **kw):
+                    super().__init__(*a, **kw)
+                    created.append(self)
+
+            with install(Recording), _ForwardTimer(target) as timer:
+                draft.reset_stats()
+                sync()
+                start = time.perf_counter()
+                out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                      assistant_model=draft, **kwargs)
+                sync()
+            stats = draft.last_stats
+            total = totals[name]
+            add(total, time.perf_counter() - start, out.shape[1] - ids.shape[1], timer, stats.num_target_forwards)
+            total["draft"] += created[0].draft_seconds
+            total["tree_depths"] += getattr(created[0], "tree_depths", [])
+            total["stats"] = stats if total["stats"] is None else total["stats"] + stats
+            identical &= torch.equal(out, ref)
+        if progress:
+            print(f"oracle bench: prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+
+    plain = totals["plain"]
+    plain_tps = plain["tokens"] / plain["seconds"]
+    rows = [{"strategy": "plain", "k": None, "speedup": 1.0, "tokens_per_s": plain_tps,
+             "round_ms": 1000 * plain["seconds"] / plain["rounds"], "verify_ms": 1000 * plain["verify"] / plain["rounds"],
+             "draft_ms": 0.0, "bookkeeping_ms": 1000 * (plain["seconds"] - plain["verify"]) / plain["rounds"]}]
+    for name, _, k, shape in strategies:
+        total = totals[name]
+        stats = total["stats"]
+        rounds = total["rounds"]
+        tps = total["tokens"] / total["seconds"]
+        row = {
+            "strategy": name, "k": k, "speedup": tps / plain_tps, "tokens_per_s": tps,
+            "mean_acceptance_length": stats.mean_acceptance_length,
+            "tokens_per_round": total["tokens"] / rounds,
+            "round_ms": 1000 * total["seconds"] / rounds,
+            "draft_ms": 1000 * total["draft"] / rounds,
+            "verify_ms": 1000 * total["verify"] / rounds,
+            "bookkeeping_ms": 1000 * (total["seconds"] - total["draft"] - total["verify"]) / rounds,
+            "stats": stats.to_dict(),
+        }
+        if k is not None or (shape is not None and shape[2] != "auto"):
+            row["bound"] = round_bound(costs, profile, k=k, tree=shape, tree_depths=total["tree_depths"])
+            row["measured_over_bound"] = row["speedup"] / row["bound"]
+        rows.append(row)
+    best = max((r for r in rows if "bound" in r), key=lambda r: r["speedup"])
+    share = best["bookkeeping_ms"] / best["round_ms"] if best["round_ms"] else None
+    param = next(target.parameters())
+    return {
+        "settings": {
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "profile": list(profile), "ks": list(ks), "tree_shapes": [list(t) for t in tree_shapes],
+            "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
+            "prompt_tokens": [int(p.shape[1]) for p in prompts], "device": str(param.device),
+            "dtype": str(param.dtype), "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
+            "transformers_version": __import__("transformers").__version__, "platform": platform.platform(),
+            "cpu_flags": cpu_flags(), "gpu": torch.cuda.get_device_name(param.device) if param.is_cuda else None,
+            "target_parameters": sum(p.numel() for p in target.parameters()),
+            "hf_eagle3_version": hf_eagle3.__version__,
+        },
+        "costs": costs.to_dict(),
+        "rows": rows,
+        "identical": identical,
+        "limited_by": limiting_resource(costs, target, share),
+    }
+
+
+def cpu_flags() -> str:
+    """The CPU flags that decide fp32/bf16 speed (AVX2, AVX-512, bf16, AMX), from ``/proc/cpuinfo``."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return " ".join(f for f in wanted if f in flags) or "none of " + ", ".join(wanted)
+
+
+def format_oracle_markdown(report: dict) -> str:
+    """
+    The oracle report as a markdown table plus the cost and resource lines.
+
+    Args:
+        report (`dict`): what :func:`run_oracle_bench` returned.
+    """
+    s = report["settings"]
+    lines = [
+        f"Oracle profile {' '.join(f'{p:.2f}' for p in s['profile'][:8])}; {s['num_prompts']} prompts, "
+        f"{s['max_new_tokens']} new tokens, greedy; target {s['target_parameters'] / 1e6:.0f} M parameters, "
+        f"{s['dtype']} on {s['gpu'] or s['device']} (CPU flags: {s['cpu_flags']}), torch threads "
+        f"{s['torch_threads']}; {s['date']}",
+        "",
+        "| strategy | vs plain | cost-model bound | measured / bound | tokens per round | round ms | draft ms "
+        "| verify ms | bookkeeping ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in report["rows"]:
+        bound = f"{r['bound']:.2f}x" if "bound" in r else ""
+        ratio = f"{r['measured_over_bound']:.2f}" if "bound" in r else ""
+        per_round = f"{r['tokens_per_round']:.2f}" if "tokens_per_round" in r else "1.00"
+        lines.append(f"| {r['strategy']} | {r['speedup']:.2f}x | {bound} | {ratio} | {per_round} | {r['round_ms']:.1f} "
+                     f"| {r['draft_ms']:.1f} | {r['verify_ms']:.1f} | {r['bookkeeping_ms']:.1f} |")
+    c = report["costs"]
+    ratios = ", ".join(f"{n}: {v:.2f}x" for n, v in c["target_ratio"].items())
+    lines += [
+        "",
+        f"Target forward of n tokens relative to one ({c['target_ms']['1']:.1f} ms): {ratios}; draft step "
+        f"{c['draft_step_ratio']:.2f}x.",
+        f"Greedy outputs identical to plain generate: **{'yes' if report['identical'] else 'NO'}**.",
+        f"This machine is {report['limited_by']}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def oracle_command(args) -> int:
+    """
+    Run ``hf-eagle3 bench --oracle`` from parsed arguments.
+
+    Args:
+        args: the ``argparse.Namespace`` of ``hf-eagle3 bench``.
+
+    Returns:
+        0, or 1 when an output differs from plain ``generate``.
+    """
+    from hf_eagle3.bench import (
+        encode_prompt,
+        load_draft,
+        load_prompts,
+        load_target,
+        parse_tree_shapes,
+        random_draft_for,
+    )
+
+    profile = parse_profile(args.oracle)
+    ks = [int(k) for k in (args.ks or "1,2,3,4,5,6,7").split(",") if k.strip()]
+    num_prompts = args.num_prompts or 4
+    max_new_tokens = args.max_new_tokens or 64
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
+    if args.synthetic:
+        target = synthetic_target(args.synthetic, dtype=dtype, device=args.device)
+        vocab = target.config.vocab_size
+        generator = torch.Generator().manual_seed(args.seed)
+        prompts = [torch.randint(0, vocab, (1, args.prompt_tokens), generator=generator) for _ in range(num_prompts)]
+        draft = random_draft_for(target, draft_vocab_size=min(args.draft_vocab_size, vocab))
+        target_name, draft_name = f"synthetic {args.synthetic} (random weights)", "random draft"
+    else:
+        target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
+        draft, draft_name, _ = load_draft(args.draft, target)
+        texts = load_prompts(args.dataset, None)[:: max(1, args.prompt_stride)][:num_prompts]
+        prompts = [encode_prompt(tokenizer, t) for t in texts]
+        target_name = args.target or "SmolLM2-135M-Instruct"
+    with torch.no_grad():
+        shapes = parse_tree_shapes(args.tree_shapes) if args.tree_shapes else TREE_SHAPES
+        report = run_oracle_bench(target, draft, prompts, profile, ks=ks, max_new_tokens=max_new_tokens,
+                                  tree_shapes=shapes, seed=args.seed)
+    report["settings"].update({"target": target_name, "draft": draft_name,
+                               "command": "hf-eagle3 " + " ".join(getattr(args, "argv", None) or ["bench"])})
+    text = format_oracle_markdown(report)
+    print(text)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "oracle.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "oracle.md").write_text(text)
+    print(f"Wrote {out / 'oracle.json'}, {out / 'oracle.md'}")
+    return 0 if report["identical"] else 1
