@@ -129,7 +129,7 @@ def _time(fn, device, repeats: int) -> float:
 
 
 @torch.no_grad()
-def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, repeats: int = 2) -> dict:
+def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, repeats: int = 3) -> dict:
     """
     Time a target forward of ``n`` new tokens on top of the KV cache of ``input_ids``, for each ``n`` in ``sizes``.
 
@@ -140,10 +140,10 @@ def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZ
         target (`PreTrainedModel`): the target.
         input_ids (`torch.LongTensor` [B, L]): the context the cache holds.
         sizes (`tuple[int]`): numbers of new tokens.
-        repeats (`int`): timed forwards per size after a warm-up; the fastest is kept.
+        repeats (`int`): sweeps over the sizes after a warm-up; the fastest time of each size is kept.
 
     Returns:
-        `dict[int, float]`: seconds per forward, by number of new tokens.
+        `dict[int, float]`: seconds per forward, by number of new tokens (never less than for the smallest size).
     """
     params = inspect.signature(target.forward).parameters
     cache_key = "cache" if "cache" in params else "past_key_values"
@@ -152,30 +152,32 @@ def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZ
     out = target(input_ids=input_ids, use_cache=True, **keep(1))
     prefilled = getattr(out, "cache", None) or out.past_key_values
     context = input_ids.shape[1]
-    costs = {}
+    runs = {}
     for n in sizes:
         new = input_ids[:, -1:].repeat(1, n)
         positions = torch.arange(context, context + n, device=device)[None].expand(input_ids.shape[0], -1)
 
-        def run(cache):
+        def run(cache, new=new, positions=positions, n=n):
             target(input_ids=new, position_ids=positions, use_cache=True, **keep(n), **{cache_key: cache})
 
         run(copy.deepcopy(prefilled))  # warm-up
-        best = math.inf
-        for _ in range(repeats):
+        runs[n] = run
+    costs = {n: math.inf for n in sizes}
+    for _ in range(repeats):  # sweeps over all sizes: a stall of the machine spoils one sweep, not one size
+        for n, run in runs.items():
             cache = copy.deepcopy(prefilled)  # each forward extends the same context; the copy is not timed
             _sync(device)
             start = time.perf_counter()
             run(cache)
             _sync(device)
-            best = min(best, time.perf_counter() - start)
-        costs[n] = best
-    return costs
+            costs[n] = min(costs[n], time.perf_counter() - start)
+    one = costs[min(sizes)]
+    return {n: max(seconds, one) for n, seconds in costs.items()}  # more tokens never cost less than one
 
 
 @torch.no_grad()
 def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOKENS, feed_sizes=FEED_SIZES,
-                          repeats: int = 2) -> tuple[dict, float]:
+                          repeats: int = 3) -> tuple[dict, float]:
     """
     Time the draft's feed (a forward over ``m`` verified positions) and its one-token step, on random inputs.
 
