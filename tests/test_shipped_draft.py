@@ -60,3 +60,23 @@ def test_text_generation_pipeline_takes_the_draft(smollm2):
     assisted = pipe(chat, max_new_tokens=32, do_sample=False, assistant_model=draft)
     assert assisted[0]["generated_text"] == plain[0]["generated_text"]
     assert draft.cumulative_stats.num_drafts > 0 and draft.cumulative_stats.num_output_tokens == 32
+
+
+@pytest.mark.slow
+def test_shipped_draft_saved_settings_are_auto_and_lossless(smollm2):
+    """The shipped draft saves num_assistant_tokens_schedule="auto": with nothing else given, generate measures the
+    costs, chooses each round's length (drafting nothing included) and stays token-identical to the target alone."""
+    target, tok = smollm2
+    draft = hf_eagle3.Eagle3DraftModel.from_pretrained(DRAFT, dtype=torch.float32)
+    assert draft.generation_config.num_assistant_tokens_schedule == "auto"
+    total = None
+    for prompt in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ref = target.generate(ids, max_new_tokens=40, do_sample=False)
+        out = target.generate(ids, assistant_model=draft, max_new_tokens=40, do_sample=False)
+        assert torch.equal(out, ref)
+        total = draft.last_stats if total is None else total + draft.last_stats
+    assert total.num_target_forwards == total.num_drafts + total.num_rounds_without_draft + len(PROMPTS)
+    assert total.num_drafts > 0  # at least the probes drafted
+    assert max(len(total.drafted_per_position), 1) <= draft.generation_config.num_assistant_tokens
