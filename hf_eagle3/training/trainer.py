@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..configuration_eagle3 import Eagle3Config, default_feature_layer_ids
 from ..modeling_eagle3 import Eagle3DraftModel
+from .hardware import resolve_dtype
 
 
 class ConcatKVCache:
@@ -236,11 +237,16 @@ class FeatureShards:
             "prompt_len": item["prompt_len"] - cut,
         }
 
-    def batches(self, epoch: int, shards=None):
+    def batches(self, epoch: int, shards=None, mmap: bool = False):
         """Yield ``(shard_path, batch_index, items)`` for one epoch, in a deterministic shuffled order.
 
         Without ``shards``, the shard list is re-read after every shard, so shards written while training runs
         (data generation still going on) join the current pass.
+
+        Args:
+            epoch: seeds the order.
+            shards: these shard paths only (default: the training shards, re-read as they grow).
+            mmap: map the shards instead of reading them (tensors are read only when touched: cheap counting).
         """
         rng = random.Random(self.seed * 1000 + epoch)
         fixed = list(shards) if shards is not None else None
@@ -253,7 +259,7 @@ class FeatureShards:
                 return
             path = rng.choice(pending)
             done.add(path)
-            items = [self._trim(x) for x in torch.load(path, weights_only=False)]
+            items = [self._trim(x) for x in torch.load(path, weights_only=False, mmap=mmap)]
             items.sort(key=lambda x: len(x["input_ids"]))
             groups, cur = [], []
             for it in items:
@@ -269,8 +275,12 @@ class FeatureShards:
                 yield path, bi, g
 
     def num_batches(self, shards=None) -> int:
-        """Count batches of one epoch (reads every shard once)."""
-        return sum(1 for _ in self.batches(0, shards))
+        """Count batches of one epoch (maps every shard once; only the token ids are read).
+
+        Args:
+            shards: these shard paths only (default: the training shards).
+        """
+        return sum(1 for _ in self.batches(0, shards, mmap=True))
 
 
 def collate(items, t2d: torch.Tensor, lm_head_rows: torch.Tensor, prompt_loss_weight: float = 0.0):
@@ -316,7 +326,8 @@ class TrainConfig:
         grad_clip: gradient-norm clip.
         max_prompt_context: prompt tokens kept before each response.
         prompt_loss_weight: weight of prompt positions in the loss (0 = the reference recipe: responses only).
-        mixed_precision: ``"bf16"``, ``"fp16"`` or ``"no"`` (accelerate autocast).
+        mixed_precision: ``"auto"`` (bf16 where the hardware computes it, else no autocast), ``"bf16"``,
+            ``"fp16"`` or ``"no"`` (accelerate autocast).
         save_every: checkpoint every this many optimiser steps.
         log_every: log every this many steps.
         holdout_shards: shards kept out of training for evaluation (the first ones).
@@ -336,7 +347,7 @@ class TrainConfig:
     grad_clip: float = 0.5
     max_prompt_context: int = 256
     prompt_loss_weight: float = 0.0
-    mixed_precision: str = "bf16"
+    mixed_precision: str = "auto"
     save_every: int = 100
     log_every: int = 10
     holdout_shards: int = 1
@@ -390,6 +401,33 @@ def _lr_factor(step: int, progress: float, cfg: TrainConfig) -> float:
         return (step + 1) / cfg.warmup_steps
     progress = min(1.0, max(0.0, progress))
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def schedule_warning(steps_per_epoch: int, cfg: TrainConfig) -> str | None:
+    """A warning naming what to change when the data is too small for the schedule, else ``None``.
+
+    Too small: at most one optimiser step per epoch, or fewer steps in all (epochs, capped by ``max_steps``) than
+    warm-up steps (the learning rate would never reach its peak).
+
+    Args:
+        steps_per_epoch: optimiser steps of one epoch over the data there is.
+        cfg: the schedule.
+    """
+    planned = steps_per_epoch * cfg.epochs
+    if cfg.max_steps:
+        planned = min(planned, cfg.max_steps)
+    problems = []
+    if steps_per_epoch <= 1:
+        problems.append(f"{steps_per_epoch} optimiser step(s) per epoch")
+    if planned < cfg.warmup_steps:
+        problems.append(f"{planned} step(s) in all ({cfg.epochs} epoch(s)), fewer than the {cfg.warmup_steps} "
+                        "warm-up steps: the learning rate never reaches its peak")
+    if not problems:
+        return None
+    budget = " (--max-minutes does not add epochs: training ends at the last one)" if cfg.max_minutes else ""
+    return (f"warning: the data is small for this schedule: {'; '.join(problems)}. Add data, lower --batch-tokens "
+            f"(now {cfg.batch_tokens}), raise --epochs (now {cfg.epochs}){budget} or lower --warmup-steps "
+            f"(now {cfg.warmup_steps}).")
 
 
 def check_draft_matches_features(draft: Eagle3DraftModel, features_dir, head: dict | None = None) -> dict:
@@ -461,17 +499,25 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision if cfg.mixed_precision != "no" else "no", cpu=not torch.cuda.is_available())
+    mixed_precision, precision_line = resolve_dtype(cfg.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu",
+                                                    label="mixed precision", bf16="bf16", fallback="no")
+    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
     embed = torch.nn.Embedding.from_pretrained(head["embed_tokens"], freeze=True)
     used = torch.arange(draft.config.draft_vocab_size) + draft.d2t.cpu()
     lm_rows = head["lm_head"][used]
     t2d = draft.t2d.cpu().bool()
     data = FeatureShards(features_dir, cfg.batch_tokens, cfg.max_prompt_context, cfg.holdout_shards, cfg.seed)
     world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
-    # with a time budget the schedule follows the clock: no need to read every shard to count batches
-    total_steps = 0 if cfg.max_minutes else data.num_batches() // world * cfg.epochs
+    per_epoch = data.num_batches() // world  # optimiser steps per epoch, on the data there is now
+    # with a time budget the schedule follows the clock (and data may still grow): no step total
+    total_steps = 0 if cfg.max_minutes else per_epoch * cfg.epochs
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps) if total_steps else cfg.max_steps
+    if main:
+        log(precision_line)
+        warning = schedule_warning(per_epoch, cfg)
+        if warning:
+            log(warning)
     if hasattr(draft, "embed_tokens"):  # the draft reads the target's (frozen) embedding during training
         draft.embed_tokens.requires_grad_(False)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -542,7 +588,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
                 yield bi + 1, pending[rank]
                 pending = []
 
-    done = False
+    ended = None
     with open(out / "log.jsonl", "a") if main else contextlib.nullcontext() as logf:
         for epoch in range(start_epoch, cfg.epochs):
             for batches_done, items in rounds(epoch):
@@ -580,14 +626,25 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
                             f"lr {rec['lr']:.2e} {rec['minutes']:.1f} min")
                 if step % cfg.save_every == 0:
                     save(epoch, batches_done)
-                if (cfg.max_steps and step >= cfg.max_steps) or (cfg.max_minutes and clock["now"] > cfg.max_minutes * 60):
+                if cfg.max_steps and step >= cfg.max_steps:
+                    ended = f"max steps reached (--max-steps {cfg.max_steps}, in epoch {epoch + 1} of {cfg.epochs})"
+                elif cfg.max_minutes and clock["now"] > cfg.max_minutes * 60:
+                    ended = (f"time budget reached (--max-minutes {cfg.max_minutes:g}, {step} step(s), in epoch "
+                             f"{epoch + 1} of {cfg.epochs})")
+                if ended:
                     save(epoch, batches_done)
-                    done = True
                     break
-            if done:
+            if ended:
                 break
             skip = 0
             save(epoch + 1, 0)
+    if main:
+        if ended is None:
+            ended = f"epochs done ({cfg.epochs} epoch(s), {step} step(s))"
+            if cfg.max_minutes:
+                ended += (f", {clock['now'] / 60:.1f} of the {cfg.max_minutes:g} minutes of --max-minutes used: "
+                          "raise --epochs to train longer")
+        log(f"training ended: {ended}")
     final = unwrapped.cpu().eval()
     final._target_embedding = None
     return final
