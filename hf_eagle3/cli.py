@@ -58,7 +58,8 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
                         "examples/drafts/smollm2-135m-eagle3, else a random draft)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens (default 96)")
     p.add_argument("--num-assistant-tokens", type=int, default=None,
-                   help="draft length k (default: the draft's generation config, usually 5)")
+                   help="a constant draft length k (default: the draft's saved settings; the shipped draft's are "
+                        "num_assistant_tokens_schedule=auto, k <= 5, drafting nothing when it cannot pay)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     add_model_placement(p)
@@ -89,8 +90,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=None,
                    help="temperature of the sampled runs (default 0.7; 0 with --quick); 0 runs greedy only")
     p.add_argument("--prompt-stride", type=int, default=1,
-                   help="use every n-th prompt of the dataset (10 on MT-bench: one prompt per category)")
-    p.add_argument("--seed", type=int, default=0, help="base seed of the sampled runs (seed + prompt index)")
+                   help="use every n-th prompt of the dataset (10 on MT-bench: one prompt per category) (default 1)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="base seed of the sampled runs (seed + prompt index) and of the oracle's draws (default 0)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=5, help="prompt_lookup_num_tokens (default 5)")
     p.add_argument("--tree-shapes", default=None,
                    help="tree strategies as TOPKxDEPTHxTOTAL, comma-separated; TOTAL may be 'auto' "
