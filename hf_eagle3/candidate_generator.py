@@ -333,7 +333,12 @@ class Eagle3CandidateGenerator(CandidateGenerator):
     def _select(self, seq: torch.LongTensor, draft_scores: torch.FloatTensor):
         """Pick the next draft token (target id) from draft-vocabulary scores; return it and the processed scores."""
         if not self.do_sample:
-            return self.d2t.map_tokens(draft_scores.argmax(-1)), None
+            if not self.logits_processor:
+                return self.d2t.map_tokens(draft_scores.argmax(-1)), None
+            scores = self.d2t(seq, draft_scores.float())  # greedy with processors: as Transformers' assisted decoding
+            for processor in self.logits_processor:
+                scores = processor(seq, scores)
+            return scores.argmax(-1), None
         scores = self.d2t(seq, draft_scores.float())
         for processor in self.logits_processor:
             scores = processor(seq, scores)

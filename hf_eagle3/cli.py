@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-PLUGIN_MODULES = ("hf_eagle3.training.cli", "hf_eagle3.export")
+PLUGIN_MODULES = ("hf_eagle3.training.cli", "hf_eagle3.export", "hf_eagle3.check")
 
 
 def _run_demo(args) -> int:

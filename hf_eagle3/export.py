@@ -26,8 +26,10 @@ What each engine reads (checked against vLLM's ``llama_eagle3.py`` / speculators
   ``lm_head.weight``, optional ``embed_tokens.weight``; ``d2t`` is loaded as ``draft_id_to_target_id``, ``t2d`` is
   skipped.
 
-Neither engine reads ``norm_before_fc`` / ``fc_norm`` / ``input_norm``; they are written only so that
-:meth:`Eagle3DraftModel.from_pretrained` reloads such drafts exactly.
+The 2026 variants (``norm_output``, ``norm_before_fc``, ``fc_norm``, a sliding window as ``layer_types`` /
+``sliding_window``, ``partial_rotary_factor``) are written only when the draft uses them, and ``target_hidden_size``
+in the flat layout only when it differs from ``hidden_size`` (the EAGLE reference reads that key as "the draft has
+its own embedding"). docs/layouts.md has the table of what each engine reads from each key.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ CORE_FILES = (
     "cost_model.py",
     "feature_capture.py",
     "logits_process.py",
+    "rope.py",
     "tree_decoding.py",
 )
 AUTO_MAP = {"AutoConfig": "configuration_eagle3.Eagle3Config", "AutoModel": "modeling_eagle3.Eagle3DraftModel"}
@@ -104,6 +107,10 @@ def _state_dict(draft, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
 def _dtype_name(state: dict[str, torch.Tensor]) -> str:
     floats = [t.dtype for t in state.values() if t.is_floating_point()]
     return str(floats[0] if floats else torch.float32).split(".")[-1]
+
+
+SCHEDULES = ("constant", "heuristic", "heuristic_transient", "auto")
+DEFAULT_SCHEDULE = "auto"  # the draft-length schedule exports write unless told otherwise (see docs/cost_model.md)
 
 
 def _write_generation_config(draft, out_dir: Path, num_assistant_tokens: int | None = None) -> None:
@@ -199,10 +206,6 @@ def flat_config(draft, dtype_name: str | None = None) -> dict:
     if config.feature_layer_ids is not None:
         # vLLM reads the top-level key (input-of-layer ids); SGLang the eagle_config one (output-of-layer ids).
         out["eagle_aux_hidden_state_layer_ids"] = list(config.feature_layer_ids)
-    if config.norm_before_fc:
-        out["norm_before_fc"] = True
-    if config.fc_norm:
-        out["fc_norm"] = True
     if config.qk_norm:
         out["model_type"] = "qwen3"
     if config.target_name_or_path:
@@ -248,22 +251,11 @@ def speculators_config(draft, num_speculative_tokens: int | None = None, dtype_n
             the draft's ``generation_config.num_assistant_tokens`` (5 unless set).
         dtype_name (`str`, *optional*): value of ``torch_dtype`` in ``transformer_layer_config``.
 
-    Raises:
-        ValueError: for a draft with per-feature ``fc_norm``, which the `speculators` layout cannot describe.
     """
     config = draft.config
-    if config.fc_norm:
-        raise ValueError(
-            "This draft uses per-feature fc_norm, which the `speculators` layout cannot describe; export it with "
-            "--format flat or native instead."
-        )
     if num_speculative_tokens is None:
         num_speculative_tokens = int(getattr(draft.generation_config, "num_assistant_tokens", None) or 5)
     out = native_to_speculators_config(config, num_speculative_tokens=int(num_speculative_tokens))
-    # Explicit, since vLLM reads a missing value as True for this layout.
-    out["norm_before_residual"] = bool(config.norm_before_residual)
-    if config.norm_before_fc:
-        out["norm_before_fc"] = True
     if dtype_name:
         out["transformer_layer_config"]["torch_dtype"] = dtype_name
     return out
@@ -309,6 +301,7 @@ def export_draft(
     remote_code: bool = False,
     dtype=None,
     num_speculative_tokens: int | None = None,
+    schedule: str | None = DEFAULT_SCHEDULE,
 ) -> Path:
     """Convert a draft to the layout asked for (the ``hf-eagle3 export`` command).
 
@@ -320,6 +313,9 @@ def export_draft(
         dtype (`torch.dtype` or `str`, *optional*): dtype of the floating weights (``"bf16"``, ``"fp16"``,
             ``"fp32"``); default: as stored.
         num_speculative_tokens (`int`, *optional*): for ``format="speculators"``, see :func:`export_speculators`.
+        schedule (`str`, *optional*): the ``num_assistant_tokens_schedule`` written to ``generation_config.json``
+            (default ``"auto"``: the length, drafting nothing included, chosen each round from costs measured where
+            the draft runs); ``None`` keeps the draft's.
 
     Returns:
         `Path`: ``out_dir``.
@@ -334,13 +330,22 @@ def export_draft(
         )
     if num_speculative_tokens is not None and format != "speculators":
         raise ValueError("--num-spec-tokens only applies to --format speculators.")
-    if remote_code:
-        return export_remote_code(src, out_dir, dtype=dtype)
-    if format == "native":
-        return export_native(src, out_dir, dtype=dtype)
-    if format == "flat":
-        return export_flat(src, out_dir, dtype=dtype)
-    return export_speculators(src, out_dir, num_speculative_tokens=num_speculative_tokens, dtype=dtype)
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {schedule!r}")
+    draft = load_draft(src)
+    saved = draft.generation_config.num_assistant_tokens_schedule
+    if schedule is not None:
+        draft.generation_config.num_assistant_tokens_schedule = schedule
+    try:
+        if remote_code:
+            return export_remote_code(draft, out_dir, dtype=dtype)
+        if format == "native":
+            return export_native(draft, out_dir, dtype=dtype)
+        if format == "flat":
+            return export_flat(draft, out_dir, dtype=dtype)
+        return export_speculators(draft, out_dir, num_speculative_tokens=num_speculative_tokens, dtype=dtype)
+    finally:
+        draft.generation_config.num_assistant_tokens_schedule = saved  # a draft passed in is left as it was
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -360,6 +365,7 @@ def _run(args: argparse.Namespace) -> int:
             remote_code=args.remote_code,
             dtype=args.dtype,
             num_speculative_tokens=args.num_spec_tokens,
+            schedule=None if args.schedule == "keep" else args.schedule,
         )
     except (ValueError, TypeError, OSError) as err:
         print(f"hf-eagle3 export: error: {err}", file=sys.stderr)
@@ -402,6 +408,14 @@ def register(subparsers) -> argparse.ArgumentParser:
         default=None,
         metavar="K",
         help="speculative_tokens written in a speculators config (default: the draft's num_assistant_tokens)",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=SCHEDULES + ("keep",),
+        default=DEFAULT_SCHEDULE,
+        help="num_assistant_tokens_schedule written to generation_config.json: auto chooses the draft length each "
+        "round (drafting nothing included) from costs measured where the draft runs; keep = the draft's own "
+        f"(default: {DEFAULT_SCHEDULE})",
     )
     parser.set_defaults(func=_run)
     return parser

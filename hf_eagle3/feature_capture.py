@@ -72,7 +72,8 @@ class Eagle3FeatureCapture:
 
     Args:
         target (`nn.Module`): the target model.
-        layer_ids (`list[int]`): three layer indices (input of layer i), low -> mid -> high.
+        layer_ids (`list[int]`): three layer indices (input of layer i); features are concatenated in ascending
+            order of layer, whatever order they are listed in (as vLLM and SGLang do).
         layers_path (`str`, *optional*): dotted path of the layer list, when it cannot be found automatically.
     """
 
@@ -82,7 +83,7 @@ class Eagle3FeatureCapture:
         bad = [i for i in layer_ids if not 0 <= i < n]
         if bad:
             raise ValueError(f"feature layer ids {layer_ids} out of range for a target with {n} layers (0..{n - 1}).")
-        self.layer_ids = list(layer_ids)
+        self.layer_ids = sorted(layer_ids)  # engines concatenate the captured layers in ascending order
         self._captured: list[torch.Tensor | None] = [None] * len(layer_ids)
         self._handles = []
 

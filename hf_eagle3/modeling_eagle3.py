@@ -7,7 +7,6 @@ Core file: imports only torch/transformers and the other core files, so it can b
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 
@@ -19,7 +18,8 @@ from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
 from .candidate_generator import SAVED_DRAFT_SETTINGS, install_generate_hook
-from .configuration_eagle3 import Eagle3Config, config_dict_to_native
+from .configuration_eagle3 import Eagle3Config, config_dict_to_native, read_config_file
+from .rope import apply_rope, rope_attention_scaling, rope_inv_freq, rotary_dim  # noqa: F401  (re-exported)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -51,113 +51,18 @@ class Eagle3RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(config: Eagle3Config) -> torch.Tensor:
-    """
-    Return the RoPE inverse frequencies of the draft.
-
-    ``default``, ``linear`` and ``llama3`` scaling are computed here; other static scalings that Transformers knows
-    (``yarn``, as in drafts exported for gpt-oss or DeepSeek targets, ``proportional``, ...) come from Transformers'
-    own RoPE initialisers, so they match what the target's modeling code computes. Scalings that depend on the
-    sequence length (``dynamic``, ``longrope``) are refused.
-
-    Args:
-        config (`Eagle3Config`): gives ``head_dim``, ``rope_theta`` and ``draft_rope_scaling``.
-
-    Returns:
-        `torch.FloatTensor` of shape `(head_dim // 2,)`, float32.
-    """
-    kind = _rope_kind(config)
-    if kind not in BUILTIN_ROPE_TYPES:
-        return _transformers_rope(config)[0]
-    dim = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.draft_rope_scaling or {}
-    if kind == "linear":
-        inv = inv / scaling["factor"]
-    elif kind == "llama3":
-        factor, low, high = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_ctx = scaling.get("original_max_position_embeddings", 8192)
-        wavelen = 2 * math.pi / inv
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
-        mid = (1 - smooth) * inv / factor + smooth * inv
-        is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
-        inv = torch.where(is_mid, mid, scaled)
-    return inv.float()
-
-
-def rope_attention_scaling(config: Eagle3Config) -> float:
-    """
-    Return the factor RoPE scaling applies to ``cos`` and ``sin`` (1.0 except for scalings such as ``yarn``).
-
-    Args:
-        config (`Eagle3Config`): gives ``draft_rope_scaling``.
-    """
-    if _rope_kind(config) in BUILTIN_ROPE_TYPES:
-        return 1.0
-    return float(_transformers_rope(config)[1])
-
-
-BUILTIN_ROPE_TYPES = ("default", "linear", "llama3")  # computed by :func:`rope_inv_freq` itself
-
-
-def _rope_kind(config: Eagle3Config) -> str:
-    """The ``rope_type`` (or legacy ``type``) of ``config.draft_rope_scaling``; ``"default"`` without scaling."""
-    scaling = config.draft_rope_scaling or {}
-    return scaling.get("rope_type") or scaling.get("type") or "default"
-
-
-def _transformers_rope(config: Eagle3Config) -> tuple[torch.Tensor, float]:
-    """``(inv_freq, attention_scaling)`` from Transformers' RoPE initialiser of ``config.draft_rope_scaling``."""
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    kind = _rope_kind(config)
-    params = dict(config.draft_rope_scaling)
-    params.pop("type", None)
-    if kind in ("dynamic", "longrope") or kind not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(
-            f"rope_scaling type {kind!r} is not supported by the EAGLE-3 draft: supported are default, linear, "
-            f"llama3 and the static Transformers scalings ({', '.join(sorted(set(ROPE_INIT_FUNCTIONS) - {'dynamic', 'longrope'}))}). "
-            "Set `draft_rope_scaling` in the draft's config to one of them (drafts are trained on short contexts; "
-            "the scaling only matters beyond `original_max_position_embeddings`)."
-        )
-    params.update(rope_type=kind, rope_theta=config.rope_theta)
-    heads = config.num_attention_heads
-    llama = LlamaConfig(
-        hidden_size=heads * config.head_dim,
-        num_attention_heads=heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_position_embeddings,
-        rope_parameters=params,
-    )
-    with torch.device("cpu"):  # also when the model is being built on the meta device (from_pretrained)
-        inv, attention_scaling = ROPE_INIT_FUNCTIONS[kind](llama, torch.device("cpu"))
-    return inv.float(), attention_scaling
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """
-    Rotate ``x`` by the half-split RoPE convention of Llama.
-
-    Args:
-        x (`torch.Tensor` [B, heads, L, D]): queries or keys.
-        cos, sin (`torch.Tensor` [B, 1, L, D]): from :meth:`Eagle3DraftModel.rope`.
-    """
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class Eagle3KVCache:
     """The draft's key/value cache: preallocated buffers with a length that can be cropped.
 
     ``update`` appends new keys/values and returns everything cached so far; ``crop`` forgets the tail (drafted
-    positions that were rejected), without copying.
+    positions that were rejected), without copying. For a sliding-window draft it also keeps the position of each
+    cached key (the window is measured in positions, as vLLM does, also for tree nodes).
     """
 
     def __init__(self):
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
         self.length = 0
 
     def get_seq_length(self) -> int:
@@ -173,13 +78,14 @@ class Eagle3KVCache:
         """
         self.length = max(0, min(self.length, length))
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None):
         """
         Append new keys and values and return all cached ones.
 
         Args:
             k (`torch.Tensor` [B, kv_heads, n, D]): keys of the new positions.
             v (`torch.Tensor` [B, kv_heads, n, D]): their values.
+            positions (`torch.LongTensor` [n], *optional*): their positions, kept when given (sliding windows).
 
         Returns:
             `(keys, values)`, each [B, kv_heads, cached + n, D] (views of the buffers).
@@ -190,21 +96,56 @@ class Eagle3KVCache:
             cap = max(256, 2 * need)
             keys = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
             values = v.new_empty(keys.shape)
+            pos = torch.zeros(cap, dtype=torch.long, device=k.device)
             if self.keys is not None and self.length:
                 keys[:, :, : self.length] = self.keys[:, :, : self.length]
                 values[:, :, : self.length] = self.values[:, :, : self.length]
-            self.keys, self.values = keys, values
+                pos[: self.length] = self.positions[: self.length]
+            self.keys, self.values, self.positions = keys, values, pos
         self.keys[:, :, self.length : need] = k
         self.values[:, :, self.length : need] = v
+        if positions is not None:
+            self.positions[self.length : need] = positions
         self.length = need
         return self.keys[:, :, :need], self.values[:, :, :need]
+
+    def key_positions(self) -> torch.Tensor:
+        """Positions of the cached keys [length] (meaningful when every ``update`` gave them)."""
+        return self.positions[: self.length]
+
+
+def sliding_window_mask(attention_mask, query_positions: torch.Tensor, key_positions: torch.Tensor, window: int,
+                        past: int):
+    """
+    Restrict an attention mask to keys less than ``window`` positions behind each query (vLLM's and speculators'
+    rule: key position > query position - window; the query itself is always inside).
+
+    Args:
+        attention_mask (`torch.Tensor` or `None`): bool (True = attend) or additive float mask [..., n, past + n];
+            ``None`` means causal.
+        query_positions (`torch.LongTensor` [n]): positions of the queries.
+        key_positions (`torch.LongTensor` [past + n]): positions of the keys.
+        window (`int`): the sliding window.
+        past (`int`): keys cached before the queries.
+
+    Returns:
+        The combined mask (bool, or float when ``attention_mask`` was float).
+    """
+    inside = key_positions[None, :] > query_positions[:, None] - window
+    if attention_mask is None:
+        n = query_positions.shape[0]
+        idx = torch.arange(past + n, device=inside.device)[None, :]
+        return inside & (idx <= torch.arange(past, past + n, device=inside.device)[:, None])
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & inside
+    return attention_mask.masked_fill(~inside, float("-inf"))
 
 
 class Eagle3Attention(nn.Module):
     """Self-attention of the draft layer; its q/k/v projections read ``cat(embedding, hidden)`` (width 2H).
 
     Args:
-        config (`Eagle3Config`): sizes, biases and ``qk_norm``.
+        config (`Eagle3Config`): sizes, biases, ``qk_norm`` and ``draft_sliding_window``.
     """
 
     def __init__(self, config: Eagle3Config):
@@ -215,20 +156,23 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=config.attention_bias)
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.attention_bias)
+        self.sliding_window = config.draft_sliding_window
         if config.qk_norm:
             self.q_norm = Eagle3RMSNorm(d, config.rms_norm_eps)
             self.k_norm = Eagle3RMSNorm(d, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: Eagle3KVCache | None = None, attention_mask=None):
+    def forward(self, x, cos, sin, cache: Eagle3KVCache | None = None, attention_mask=None, positions=None):
         """
         Attend the new positions over the cache plus themselves.
 
         Args:
             x (`torch.Tensor` [B, n, 2H]): ``cat(norm(embedding), norm(hidden))`` of the new positions.
-            cos, sin (`torch.Tensor` [B, 1, n, head_dim]): RoPE of their positions.
+            cos, sin (`torch.Tensor` [B, 1, n, rotary_dim]): RoPE of their positions.
             cache (`Eagle3KVCache`, *optional*): updated in place with the new keys and values.
             attention_mask (`torch.Tensor`, *optional*): bool [n, past + n] (True = attend) or an additive float
                 mask; ``None`` means causal.
+            positions (`torch.LongTensor` [n], *optional*): positions of the new tokens; needed by a sliding-window
+                draft (default: continuing the cache).
 
         Returns:
             `torch.Tensor` [B, n, H].
@@ -243,11 +187,16 @@ class Eagle3Attention(nn.Module):
         if cache is not None and hasattr(cache, "attend"):  # structured attention (training-time test)
             out = cache.attend(q, k, v)
             return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
-        past = 0
+        past = cache.get_seq_length() if cache is not None else 0
+        window = self.sliding_window
+        if window is not None and positions is None:
+            positions = torch.arange(past, past + n, device=x.device)
         if cache is not None:
-            past = cache.get_seq_length()
-            k, v = cache.update(k, v)
-        if attention_mask is None and n > 1:
+            k, v = cache.update(k, v, positions if window is not None else None)
+        if window is not None and past + n > window:  # some key may lie outside the window
+            keys_at = cache.key_positions() if cache is not None else positions
+            attention_mask = sliding_window_mask(attention_mask, positions, keys_at, window, past)
+        elif attention_mask is None and n > 1:
             qpos = torch.arange(past, past + n, device=x.device)[:, None]
             attention_mask = torch.arange(past + n, device=x.device)[None, :] <= qpos
         out = F.scaled_dot_product_attention(
@@ -298,7 +247,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = Eagle3RMSNorm(h, config.rms_norm_eps)
         self.mlp = Eagle3MLP(config)
 
-    def forward(self, embeds, hidden, cos, sin, cache=None, attention_mask=None):
+    def forward(self, embeds, hidden, cos, sin, cache=None, attention_mask=None, positions=None):
         """
         Return the layer's PRE-norm output hidden state [B, n, H].
 
@@ -306,13 +255,13 @@ class Eagle3DecoderLayer(nn.Module):
             embeds (`torch.Tensor` [B, n, H]): embeddings of the next tokens.
             hidden (`torch.Tensor` [B, n, H]): fused target features or the previous step's output.
             cos, sin (`torch.Tensor` [B, 1, n, head_dim]): RoPE of the positions.
-            cache (`Eagle3KVCache`, *optional*), attention_mask (`torch.Tensor`, *optional*): see
-                :meth:`Eagle3Attention.forward`.
+            cache (`Eagle3KVCache`, *optional*), attention_mask (`torch.Tensor`, *optional*), positions
+                (`torch.LongTensor` [n], *optional*): see :meth:`Eagle3Attention.forward`.
         """
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        hidden = residual + self.self_attn(x, cos, sin, cache, attention_mask)
+        hidden = residual + self.self_attn(x, cos, sin, cache, attention_mask, positions)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -322,7 +271,8 @@ class Eagle3DraftOutput(ModelOutput):
 
     Args:
         logits: scores over the DRAFT vocabulary [B, n, draft_vocab_size] (``None`` when not asked for).
-        hidden_states: the layer's pre-norm output [B, n, H], fed to the next draft step.
+        hidden_states: what the next draft step is fed [B, n, H]: the layer's pre-norm output, or its normed output
+            for a ``norm_output`` draft (EAGLE 3.1).
     """
 
     logits: torch.Tensor | None = None
@@ -379,13 +329,15 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.fc = nn.Linear(3 * t, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = Eagle3RMSNorm(h, config.rms_norm_eps)
-        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        if config.has_lm_head:
+            self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         vd = config.draft_vocab_size
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long), persistent=True)
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool), persistent=True)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.rope_attention_scaling = rope_attention_scaling(config)
         self._target_embedding = None
+        self._target_head = None  # (weight rows of the draft vocabulary,) for a draft without lm_head
         self.last_stats = None
         self.cumulative_stats = None
         self.post_init()
@@ -447,6 +399,27 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                     f"{self.config.hidden_size}. Load a checkpoint that includes `embed_tokens.weight`."
                 )
             self._target_embedding = (emb,)  # a tuple: shared, not registered as a submodule nor saved
+        if not hasattr(self, "lm_head"):
+            self._bind_target_head(target)
+
+    def _bind_target_head(self, target) -> None:
+        """For a draft without ``lm_head``: take the target's output head, restricted to the draft vocabulary."""
+        head = target.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        if weight is None or weight.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"This draft has no lm_head of its own and must use the target's output head, whose input width "
+                f"{None if weight is None else weight.shape[-1]} differs from the draft's hidden size "
+                f"{self.config.hidden_size}. Load a checkpoint that includes `lm_head.weight`."
+            )
+        if self._target_head is not None and self._target_head[0] is weight:
+            return  # bound to this head already
+        rows = weight
+        if self.config.draft_vocab_size != weight.shape[0] or bool(self.d2t.any()):
+            rows = weight.detach()[(torch.arange(self.config.draft_vocab_size, device=self.d2t.device)
+                                    + self.d2t).to(weight.device)]
+        rows = rows.detach().to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        self._target_head = (weight, rows)  # a tuple: shared, not registered nor saved
 
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
         """
@@ -504,12 +477,24 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """
-        Return draft-vocabulary scores ``lm_head(norm(h))``.
+        Return draft-vocabulary scores ``lm_head(norm(h))`` (``lm_head(h)`` for a ``norm_output`` draft, whose
+        hidden states are normed already).
+
+        Without an ``lm_head`` of its own the draft uses the target's output head restricted to the draft vocabulary
+        (bound by :meth:`bind_target`).
 
         Args:
-            hidden_states (`torch.Tensor` [B, n, H]): pre-norm outputs of the draft layer.
+            hidden_states (`torch.Tensor` [B, n, H]): the ``hidden_states`` of :class:`Eagle3DraftOutput`.
         """
-        return self.lm_head(self.norm(hidden_states))
+        h = hidden_states if self.config.norm_output else self.norm(hidden_states)
+        if hasattr(self, "lm_head"):
+            return self.lm_head(h)
+        if self._target_head is None:
+            raise ValueError(
+                "This draft has no lm_head and uses its target's output head: call `draft.bind_target(target)` "
+                "first (generate does it for you)."
+            )
+        return F.linear(h, self._target_head[1])
 
     def forward(
         self,
@@ -528,7 +513,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
         Args:
             input_ids (`torch.LongTensor` [B, n]): the NEXT tokens, in the target vocabulary.
-            hidden_states (`torch.Tensor` [B, n, H]): the previous draft step's pre-norm output; or
+            hidden_states (`torch.Tensor` [B, n, H]): the previous draft step's ``hidden_states`` output; or
             target_features (`torch.Tensor` [B, n, 3T]): captured target features (fused by ``fc``).
             inputs_embeds (`torch.Tensor` [B, n, H], *optional*): instead of ``input_ids``.
             position_ids (`torch.LongTensor` [B, n], *optional*): defaults to continuing the cache.
@@ -539,7 +524,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 -1 = none).
 
         Returns:
-            `Eagle3DraftOutput` with draft-vocabulary ``logits`` and pre-norm ``hidden_states``.
+            `Eagle3DraftOutput` with draft-vocabulary ``logits`` and the ``hidden_states`` to feed the next step
+            (pre-norm; normed for a ``norm_output`` draft).
         """
         if target_features is not None:
             hidden_states = self.project_features(target_features)
@@ -552,7 +538,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             start = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(start, start + n, device=hidden_states.device).expand(b, n)
         cos, sin = self.rope(position_ids, hidden_states.dtype)
-        out = self.midlayer(inputs_embeds, hidden_states, cos, sin, cache, attention_mask)
+        out = self.midlayer(inputs_embeds, hidden_states, cos, sin, cache, attention_mask, position_ids[0])
+        if self.config.norm_output:  # EAGLE 3.1: the next step is fed the normed state, which lm_head reads
+            out = self.norm(out)
         logits = None
         if logits_to_keep >= 0:
             logits = self.compute_logits(out if logits_to_keep == 0 else out[:, -logits_to_keep:])
@@ -626,13 +614,15 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if kwargs:
             raise TypeError(f"Eagle3DraftModel.from_pretrained got unexpected arguments: {sorted(kwargs)}")
         path = str(pretrained_model_name_or_path)
-        raw_cfg = json.loads(open(_resolve(path, "config.json", hub)).read())
-        native_kwargs, layout = config_dict_to_native(raw_cfg)
+        config_file = _resolve(path, "config.json", hub)
+        raw_cfg = read_config_file(config_file)  # a malformed file names itself and the field
+        native_kwargs, layout = config_dict_to_native(raw_cfg, source=config_file)
         k_default = native_kwargs.pop("_num_assistant_tokens", None)
         state = _load_state_dict(path, hub)
         state = convert_state_dict(state, layout)
         if config is None:
             native_kwargs["has_embed_tokens"] = "embed_tokens.weight" in state
+            native_kwargs["has_lm_head"] = "lm_head.weight" in state  # none: the target's head is used
             native_kwargs.setdefault("target_name_or_path", raw_cfg.get("target_name_or_path"))
             config = Eagle3Config(**native_kwargs)
         if config.draft_vocab_size != config.vocab_size and "d2t" not in state:

@@ -242,6 +242,9 @@ VARIANTS = {
     "pruned_vocab_layers": dict(draft_vocab_size=200, feature_layer_ids=[1, 3, 4]),
     "own_embedding_narrow": dict(hidden_size=32, has_embed_tokens=True, norm_before_residual=True),
     "qk_norm_norm_before_fc": dict(qk_norm=True, norm_before_fc=True, draft_vocab_size=128),
+    # EAGLE 3.1 as speculators trains it (norm_output, a sliding window) with fc_norm, partial RoPE and a big theta
+    "eagle31_window_fc_norm": dict(norm_output=True, fc_norm=True, draft_sliding_window=4, partial_rotary_factor=0.5,
+                                   rope_theta=5e5, draft_vocab_size=200),
 }
 
 
@@ -274,7 +277,8 @@ def _assert_same_draft(a, b):
     for key in ("vocab_size", "draft_vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "target_hidden_size",
                 "norm_before_residual", "norm_before_fc", "fc_norm", "qk_norm", "has_embed_tokens",
-                "feature_layer_ids"):
+                "feature_layer_ids", "norm_output", "draft_sliding_window", "partial_rotary_factor", "has_lm_head",
+                "draft_rope_scaling"):
         assert getattr(a.config, key) == getattr(b.config, key), key
 
 
@@ -308,7 +312,8 @@ def test_flat_layout_matches_engines(tmp_path):
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
     assert config["tie_word_embeddings"] is False  # SGLang would use embed_tokens as lm_head otherwise
     assert config["vocab_size"] == 256 and config["draft_vocab_size"] == 200
-    assert config["target_hidden_size"] == 64 and config["torch_dtype"] == "bfloat16"
+    # Hidden sizes equal: no target_hidden_size (the EAGLE reference reads it as "the draft has its own embedding").
+    assert "target_hidden_size" not in config and config["torch_dtype"] == "bfloat16"
     # SGLang: output of layer id (ours - 1); vLLM: top-level, input of layer id (ours).
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
@@ -347,11 +352,12 @@ def test_speculators_layout_matches_vllm(tmp_path):
     assert again.generation_config.num_assistant_tokens == 3
 
 
-def test_fc_norm_not_exportable_to_speculators(tmp_path):
+def test_fc_norm_exportable_to_speculators(tmp_path):
     target = tiny_target("llama")
     draft = tiny_draft(target, fc_norm=True)
-    with pytest.raises(ValueError, match="fc_norm"):
-        export_speculators(draft, tmp_path)
+    export_speculators(draft, tmp_path / "spec")  # speculators has fc_norm too (per captured layer, width T)
+    assert json.loads((tmp_path / "spec" / "config.json").read_text())["fc_norm"] is True
+    _assert_same_draft(draft, hf_eagle3.Eagle3DraftModel.from_pretrained(tmp_path / "spec"))
     export_flat(draft, tmp_path / "flat")  # the flat layout records it
     again = hf_eagle3.Eagle3DraftModel.from_pretrained(tmp_path / "flat")
     _assert_same_draft(draft, again)
