@@ -107,6 +107,16 @@ def _fit_problems(draft, target, tokenizer, n_layers: int) -> list[str]:
     return problems
 
 
+def _notes(config, target) -> list[str]:
+    """Remarks that are not misfits: the draft names another target than the one given."""
+    made_for = config.target_name_or_path
+    name = getattr(target, "name_or_path", None) or ""
+    if made_for and os.path.basename(str(made_for).rstrip("/")) != os.path.basename(str(name).rstrip("/")):
+        return [f"the draft was made for {made_for}; the target is {name or type(target).__name__} (fine if it is "
+                "the same model)"]
+    return []
+
+
 def _prompt_ids(tokenizer, num_prompts: int, vocab_size: int) -> list[torch.LongTensor]:
     """The built-in prompts as ids (through the chat template), or fixed random ids without a tokenizer."""
     if tokenizer is None:
@@ -170,7 +180,7 @@ def check_draft(draft, target, tokenizer=None, draft_path: str | os.PathLike | N
         A JSON-friendly dict: ``layout``, ``variant`` (norms, RoPE, sliding window, vocabulary mapping, embedding and
         head sharing), ``layers`` (as read, in each convention, and the shifted candidate), ``target``, ``problems``
         (each with its fix; empty when the pair fits), ``candidates`` (measured acceptance of each layer-id choice),
-        ``best`` and ``advice``.
+        ``best``, ``advice`` and ``notes`` (remarks that are not misfits).
     """
     from .modeling_eagle3 import Eagle3DraftModel
 
@@ -199,6 +209,7 @@ def check_draft(draft, target, tokenizer=None, draft_path: str | os.PathLike | N
         "target": {"name": getattr(target, "name_or_path", None) or type(target).__name__, "layers": n_layers,
                    "hidden_size": getattr(text, "hidden_size", None), "vocab_size": getattr(text, "vocab_size", None)},
         "problems": _fit_problems(draft, target, tokenizer, n_layers),
+        "notes": _notes(c, target),
         "candidates": [],
         "best": None,
         "advice": None,
@@ -260,6 +271,7 @@ def format_report(report: dict) -> str:
         lines.append(f"          = inputs of layers {lay['input_of_layer']} (vLLM, speculators) = outputs of layers "
                      f"{lay['output_of_layer']} (SGLang eagle_config)")
     lines.append(f"target  {t['name']}: {t['layers']} layers, hidden {t['hidden_size']}, vocab {t['vocab_size']}")
+    lines.extend(f"note    {n}" for n in report.get("notes", []))
     if report["problems"]:
         lines.append("PROBLEMS (the draft does not fit this target):")
         lines.extend(f"  - {p}" for p in report["problems"])

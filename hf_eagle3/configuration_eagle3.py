@@ -402,7 +402,7 @@ def check_fields(cfg: dict, layout: str, source: str | os.PathLike = "config.jso
             elif prefix == "eagle_config.":
                 if key not in _EAGLE_CONFIG_HARMLESS:
                     unknown.append(prefix + key)
-            elif key not in _READ_FIELDS and key not in _HARMLESS_FIELDS and key not in _MATH_FIELDS:
+            elif key not in _READ_FIELDS | _HARMLESS_FIELDS | set(_MATH_FIELDS) and not key.startswith("_"):
                 unknown.append(prefix + key)
     if bad:
         raise DraftConfigError(

@@ -34,7 +34,7 @@ def pair(tmp_path_factory):
 def test_report_names_what_was_read_in_each_convention(pair):
     target, tmp = pair
     flat = check_draft(tmp / "flat", target, num_prompts=1, max_new_tokens=6, k=2)
-    assert flat["layout"] == "flat" and flat["problems"] == []
+    assert flat["layout"] == "flat" and flat["problems"] == [] and flat["notes"] == []
     lay = flat["layers"]
     assert lay["as_read"] == [1, 3, 4] and lay["output_of_layer"] == [0, 2, 3]
     assert "eagle_config" in lay["source"] and lay["shifted"] == [0, 2, 3]  # the other reading of eagle_config
@@ -104,10 +104,10 @@ def test_shipped_draft_on_smollm2_reports_the_right_layer_ids(smollm2, tmp_path)
     config (our ids in eagle_config, which means output-of-layer), check finds the fix."""
     model, tok = smollm2
     report = check_draft(SHIPPED_DRAFT, model, tok, num_prompts=2, max_new_tokens=24, k=4)
-    assert report["problems"] == [] and report["layers"]["as_read"] == [2, 15, 27]
+    assert report["problems"] == [] and report["notes"] == [] and report["layers"]["as_read"] == [2, 15, 27]
     good, shifted = report["candidates"]
     assert shifted["layer_ids"] == [3, 16, 28]
-    assert good["mean_acceptance_length"] > shifted["mean_acceptance_length"] + 0.1, report["candidates"]
+    assert good["mean_acceptance_length"] > shifted["mean_acceptance_length"], report["candidates"]
     assert report["best"] == "as read"
     export_flat(str(SHIPPED_DRAFT), tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -118,3 +118,12 @@ def test_shipped_draft_on_smollm2_reports_the_right_layer_ids(smollm2, tmp_path)
     assert wrong["layers"]["as_read"] == [3, 16, 28] and wrong["best"] == "shifted"
     assert "eagle_config.eagle_aux_hidden_state_layer_ids = [1, 14, 26]" in wrong["advice"]
     assert "<- better" in format_report(wrong)
+
+
+def test_note_when_the_draft_names_another_target(pair):
+    target, _ = pair
+    draft = tiny_draft(target, 48)
+    draft.config.target_name_or_path = "org/another-model"
+    report = check_draft(draft, target, measure=False)
+    assert report["problems"] == [] and "made for org/another-model" in report["notes"][0]
+    assert "note    the draft was made for org/another-model" in format_report(report)
