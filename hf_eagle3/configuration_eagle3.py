@@ -146,7 +146,8 @@ class Eagle3Config(PreTrainedConfig):
             while its position is greater than the query's minus the window); ``None`` = full attention.
         partial_rotary_factor (`float`): fraction of each head's channels that RoPE rotates (1.0 = all).
         feature_layer_ids (`list[int]`, *optional*): which target hidden states feed the draft, as indices of
-            ``output_hidden_states`` (index i = INPUT of decoder layer i, 0 = embeddings), low -> mid -> high.
+            ``output_hidden_states`` (index i = INPUT of decoder layer i, 0 = embeddings), sorted ascending on
+            construction (engines concatenate the captured layers in that order).
             ``None`` means the reference default ``[2, N // 2, N - 3]`` for a target of N layers.
         target_layers_path (`str`, *optional*): dotted path of the target's decoder-layer list (e.g.
             ``"model.layers"``) when it cannot be found automatically.

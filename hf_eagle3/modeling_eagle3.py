@@ -306,7 +306,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     decode with EAGLE-3 speculative decoding; the output is that of the target alone.
 
     Weights use the flat published names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` and an
-    optional ``embed_tokens``), so a native checkpoint is also a flat one.
+    optional ``embed_tokens``), so a native checkpoint is also a flat one. A draft without ``lm_head`` uses the
+    target's output head restricted to its vocabulary; one without ``embed_tokens`` shares the target's embedding.
 
     After each ``generate`` call, :attr:`last_stats` holds that call's acceptance statistics and
     :attr:`cumulative_stats` the sum over calls since :meth:`reset_stats`.
