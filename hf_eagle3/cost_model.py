@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-TARGET_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # target forward sizes (new tokens) timed by :func:`measure_costs`
+TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # target forward sizes (new tokens) timed by :func:`measure_costs`
 FEED_SIZES = (1, 4, 16)  # draft feed sizes timed by :func:`measure_costs`
-CONTEXT_TOKENS = 64  # cache length the forwards are timed on
+CONTEXT_TOKENS = 128  # cache length the forwards are timed on
 PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed at a draft position nothing is known about
 PRIOR_WEIGHT = 2.0  # weight of the prior, in rounds
+CARRIED_WEIGHT = 10.0  # at most this many rounds of a call's evidence carry over to the next call of the draft
 DECAY = 0.95  # per drafted round: older rounds count less, so the estimate follows the text
 PROBE_EVERY = 4  # rounds without a draft before the first probe; doubles after each probe that does not pay
 MAX_PROBE_EVERY = 64
@@ -326,12 +327,18 @@ class Eagle3AcceptanceEstimate:
             if i < accepted:
                 self.accepted[i] += 1.0
 
-    def carried(self) -> "Eagle3AcceptanceEstimate":
-        """A copy for the next call: the current rates become its prior, at no more than the prior's weight."""
-        rates = self.rates(max(1, len(self.reached)))
-        scale = [min(1.0, self.prior_weight / r) if r > 0 else 0.0 for r in self.reached]
+    def carried(self, weight: float = CARRIED_WEIGHT) -> "Eagle3AcceptanceEstimate":
+        """
+        A copy for the next call: the counts scaled down to at most ``weight`` rounds per position, so that the next
+        call starts from what this one learnt (one lucky round does not flip its first decisions) but still follows
+        its own text.
+
+        Args:
+            weight (`float`): the most rounds of evidence carried per position.
+        """
+        scale = [min(1.0, weight / r) if r > 0 else 0.0 for r in self.reached]
         return Eagle3AcceptanceEstimate(
-            prior=rates[0], prior_weight=self.prior_weight, decay=self.decay,
+            prior=self.prior, prior_weight=self.prior_weight, decay=self.decay,
             reached=[r * s for r, s in zip(self.reached, scale)], accepted=[a * s for a, s in zip(self.accepted, scale)],
         )
 

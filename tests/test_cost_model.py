@@ -126,8 +126,8 @@ def test_policy_state_carries_to_the_next_call():
     carried = policy.carried()
     nxt = Eagle3DraftLengthPolicy.from_carried(policy.costs, carried)
     assert nxt.probe_every == policy.probe_every > PROBE_EVERY
-    assert nxt.estimate.rates(1)[0] == pytest.approx(policy.estimate.rates(1)[0], abs=0.02)
-    assert max(nxt.estimate.reached) <= nxt.estimate.prior_weight + 1e-9  # a prior, not a history
+    assert nxt.estimate.rates(1)[0] == pytest.approx(policy.estimate.rates(1)[0], abs=0.03)
+    assert max(nxt.estimate.reached) <= cost_model.CARRIED_WEIGHT + 1e-9  # a prior, not the whole history
 
 
 # ---------------------------------------------------------------------------------------- decoding with "auto"
@@ -265,3 +265,39 @@ def test_auto_sampling_keeps_target_distribution(broken, monkeypatch):
     else:
         assert accepted > 0.2
         assert min(p.values()) > ALPHA / 3, p
+
+
+# ------------------------------------------------------------------------------------------- saved by export/train
+@pytest.mark.parametrize("fmt", ["native", "flat", "speculators"])
+def test_export_writes_auto_unless_told(tmp_path, fmt):
+    import json
+
+    from hf_eagle3 import Eagle3DraftModel
+    from hf_eagle3.export import export_draft
+
+    draft = tiny_draft(target_of("llama"), 48, seed=6)
+    assert draft.generation_config.num_assistant_tokens_schedule == "constant"
+    export_draft(draft, tmp_path / "auto", format=fmt)
+    assert json.loads((tmp_path / "auto" / "generation_config.json").read_text())["num_assistant_tokens_schedule"] == "auto"
+    assert Eagle3DraftModel.from_pretrained(tmp_path / "auto").generation_config.num_assistant_tokens_schedule == "auto"
+    assert draft.generation_config.num_assistant_tokens_schedule == "constant"  # the draft passed in is unchanged
+    export_draft(draft, tmp_path / "keep", format=fmt, schedule=None)
+    saved = json.loads((tmp_path / "keep" / "generation_config.json").read_text())
+    assert saved["num_assistant_tokens_schedule"] == "constant"
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
+        export_draft(draft, tmp_path / "bad", format=fmt, schedule="fast")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_newly_trained_draft_saves_auto():
+    from hf_eagle3 import Eagle3Config
+    from hf_eagle3.training.trainer import init_draft
+
+    config = Eagle3Config(vocab_size=32, draft_vocab_size=16, hidden_size=16, intermediate_size=32,
+                          num_attention_heads=2, num_key_value_heads=1, target_hidden_size=16)
+    head = {"lm_head": torch.randn(32, 16)}
+    d2t = torch.zeros(16, dtype=torch.long)
+    t2d = torch.zeros(32, dtype=torch.bool)
+    t2d[:16] = True
+    draft = init_draft(config, head, d2t, t2d)
+    assert draft.generation_config.num_assistant_tokens_schedule == "auto"

@@ -381,8 +381,10 @@ def draft_config_for_target(head_config: dict, draft_vocab_size: int, **override
 
 def init_draft(config: Eagle3Config, head: dict, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3DraftModel:
     """A new draft for training: random layer, ``lm_head`` initialised from the target's rows of the draft
-    vocabulary, ``fc`` initialised to pass the highest captured feature through, vocabulary mapping set."""
+    vocabulary, ``fc`` initialised to pass the highest captured feature through, vocabulary mapping set. Its saved
+    draft-length setting is ``num_assistant_tokens_schedule="auto"`` (see docs/cost_model.md)."""
     draft = Eagle3DraftModel(config)
+    draft.generation_config.num_assistant_tokens_schedule = "auto"
     with torch.no_grad():
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
