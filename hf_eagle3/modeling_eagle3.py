@@ -185,6 +185,9 @@ class Eagle3Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None and hasattr(cache, "attend"):  # structured attention (training-time test)
+            if self.sliding_window is not None:
+                raise ValueError("Training a sliding-window draft is not supported (the training-time-test attention "
+                                 "has no window): set `draft_sliding_window = None` to train a full-attention draft.")
             out = cache.attend(q, k, v)
             return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
         past = cache.get_seq_length() if cache is not None else 0
@@ -192,7 +195,7 @@ class Eagle3Attention(nn.Module):
         if window is not None and positions is None:
             positions = torch.arange(past, past + n, device=x.device)
         if cache is not None:
-            k, v = cache.update(k, v, positions if window is not None else None)
+            k, v = cache.update(k, v) if window is None else cache.update(k, v, positions)
         if window is not None and past + n > window:  # some key may lie outside the window
             keys_at = cache.key_positions() if cache is not None else positions
             attention_mask = sliding_window_mask(attention_mask, positions, keys_at, window, past)
