@@ -454,3 +454,34 @@ def test_training_a_sliding_window_draft_is_refused():
     feats, ids = features_and_ids(n=6)
     with pytest.raises(ValueError, match="sliding-window draft is not supported"):
         draft(input_ids=ids[:, :6], target_features=feats, cache=TTTAttention())
+
+
+def test_speculators_config_built_as_its_trainer_builds_it(tmp_path):
+    """transformer_layer_config made the way speculators' trainer makes it (a Transformers LlamaConfig with
+    ``sliding_window`` / ``use_sliding_window`` / ``layer_types`` and ``rope_parameters``, saved with
+    ``to_diff_dict``) and its EAGLE 3.1 defaults at the top level: read without warnings, every field honoured."""
+    from transformers import LlamaConfig
+
+    layer = LlamaConfig(vocab_size=V, hidden_size=T, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-6,
+                        head_dim=16, tie_word_embeddings=False, sliding_window=4, use_sliding_window=True,
+                        layer_types=["sliding_attention"])
+    layer.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
+    cfg = speculators_config(norm_before_fc=True, norm_output=True, fc_norm=False, embed_requires_grad=False)
+    cfg["transformer_layer_config"] = layer.to_diff_dict()
+    native = small_config(norm_before_fc=True, norm_output=True, norm_before_residual=True, rope_theta=500000.0,
+                          draft_sliding_window=4)
+    state = {k: (v.uniform_(0.5, 1.5) if "norm" in k else v) for k, v in random_state(native, seed=13).items()}
+    spec_state = {("layers.0." + k[9:] if k.startswith("midlayer.") else k): v for k, v in state.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        draft = Eagle3DraftModel.from_pretrained(write_checkpoint(tmp_path / "spec", cfg, spec_state))
+    c = draft.config
+    assert (c.draft_sliding_window, c.rope_theta, c.norm_output, c.norm_before_fc) == (4, 500000.0, True, True)
+    draft.bind_target(cached_target())
+    full = copy.deepcopy(draft)
+    full.midlayer.self_attn.sliding_window = None
+    feats, ids = features_and_ids(n=10, seed=13)
+    torch.testing.assert_close(chain(draft, feats, ids, steps=3),
+                               direct_chain(full, feats, ids, steps=3, norm_output=True, window=4),
+                               rtol=1e-5, atol=1e-5)
