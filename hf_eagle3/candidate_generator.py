@@ -49,6 +49,8 @@ class Eagle3Stats:
         accepted_per_position: ``accepted_per_position[i]`` = rounds whose token at position i was accepted.
         num_target_forwards: all target forwards, the prefill (which has no draft) included.
         num_output_tokens: tokens generated.
+        num_rounds_without_draft: target forwards after a call's prefill that verified no draft (``"auto"`` chose
+            not to draft, or ``max_length`` left no room).
     """
 
     num_drafts: int = 0
@@ -56,6 +58,7 @@ class Eagle3Stats:
     accepted_per_position: list = field(default_factory=list)
     num_target_forwards: int = 0
     num_output_tokens: int = 0
+    num_rounds_without_draft: int = 0
 
     @property
     def num_draft_tokens(self) -> int:
@@ -72,10 +75,6 @@ class Eagle3Stats:
         """Tokens per drafting round, counting the target's bonus token: ``1 + accepted / num_drafts``."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
-    @property
-    def num_rounds_without_draft(self) -> int:
-        """Target forwards after the prefill that verified no draft (``"auto"`` chose not to draft, or none fitted)."""
-        return max(0, self.num_target_forwards - self.num_drafts - 1)
 
     @property
     def mean_draft_length(self) -> float:
@@ -100,9 +99,11 @@ class Eagle3Stats:
             drafted (`int`): tokens the round proposed (0 for the prefill, which has no draft).
             accepted (`int`): how many of them, from the first, the target accepted.
         """
+        prefill = self.num_target_forwards == 0  # a call's statistics start with its prefill
         self.num_target_forwards += 1
         self.num_output_tokens += accepted + 1
         if drafted == 0:
+            self.num_rounds_without_draft += 0 if prefill else 1
             return
         self.num_drafts += 1
         grow = drafted - len(self.drafted_per_position)
@@ -127,6 +128,7 @@ class Eagle3Stats:
             accepted_per_position=[a + b for a, b in zip(pad(self.accepted_per_position), pad(other.accepted_per_position))],
             num_target_forwards=self.num_target_forwards + other.num_target_forwards,
             num_output_tokens=self.num_output_tokens + other.num_output_tokens,
+            num_rounds_without_draft=self.num_rounds_without_draft + other.num_rounds_without_draft,
         )
 
     def to_dict(self) -> dict:

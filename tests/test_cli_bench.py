@@ -56,7 +56,8 @@ def test_run_bench_tiny(tmp_path):
     assert all(ms > 0 for ms in report["target_forward_ms"].values())
     names = [r["strategy"] for r in report["results"]]
     trees = [f"eagle3-tree k={a} d={b} n={c}" for a, b, c in bench.TREE_SHAPES]
-    assert names == ["plain", "prompt-lookup", "eagle3-chain k=1", "eagle3-chain k=2", *trees] * 2
+    assert names == ["plain", "prompt-lookup", "eagle3-chain k=1", "eagle3-chain k=2", "eagle3-chain auto k<=2",
+                     *trees] * 2
     per_mode = len(names) // 2
     assert [r["mode"] for r in report["results"]] == ["greedy"] * per_mode + ["sampled"] * per_mode
     for r in report["results"]:
@@ -67,9 +68,13 @@ def test_run_bench_tiny(tmp_path):
             assert r["mean_acceptance_length"] >= 1.0
             assert len(r["acceptance_rate_per_position"]) == r["k"]
             assert r["stats"]["num_output_tokens"] == r["new_tokens"]
-        elif r["family"] == "eagle3_tree":
+        elif r["family"] in ("eagle3_tree", "eagle3_auto"):
             assert r["mean_acceptance_length"] >= 1.0
             assert r["stats"]["num_output_tokens"] == r["new_tokens"]
+            if r["family"] == "eagle3_auto":  # every target forward after a prefill drafted 1-2 tokens or nothing
+                st = r["stats"]
+                assert st["num_target_forwards"] == st["num_drafts"] + st["num_rounds_without_draft"] + len(prompts)
+                assert len(st["drafted_per_position"]) <= 2
         else:
             assert r["mean_acceptance_length"] is None
     assert report["results"][0]["speedup"] == pytest.approx(1.0)
@@ -79,6 +84,7 @@ def test_run_bench_tiny(tmp_path):
     assert saved["greedy_identical"] is True and len(saved["results"]) == len(names)
     markdown = (out_dir / "bench.md").read_text()
     assert "| mode | strategy |" in markdown and "eagle3-chain k=2" in markdown and "**yes**" in markdown
+    assert "rounds drafted (mean k) / without draft" in markdown
     png = (out_dir / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
