@@ -19,7 +19,7 @@ from transformers.generation import candidate_generator as _cg
 from transformers.generation import utils as _gen_utils
 
 from .cost_model import Eagle3DraftLengthPolicy, measure_costs
-from .tree_decoding import TREE_SETTINGS, install_tree_hook, pop_tree_settings
+from .tree_decoding import _TREE_DRAFTER_CLASS, TREE_SETTINGS, install_tree_hook, pop_tree_settings
 
 CandidateGenerator = _cg.CandidateGenerator
 HOOK_VERSION = 1
@@ -427,20 +427,23 @@ _GENERATOR_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_gen
 
 
 @contextlib.contextmanager
-def use_candidate_generator(generator_class):
+def use_drafting(chain=None, tree=None):
     """
-    Within the block, EAGLE-3 chain calls of ``generate`` use ``generator_class`` (a subclass of
-    :class:`Eagle3CandidateGenerator` taking the same arguments) instead: how benchmarks swap in instrumented
+    Within the block, EAGLE-3 calls of ``generate`` draft with ``chain`` (a subclass of
+    :class:`Eagle3CandidateGenerator` taking the same arguments) and/or ``tree`` (a subclass of
+    :class:`~hf_eagle3.tree_decoding.Eagle3TreeDrafter`) instead of the defaults: how benchmarks swap in instrumented
     drafting (e.g. ``hf-eagle3 bench --oracle``) without another code path.
 
     Args:
-        generator_class (`type`): the candidate generator class.
+        chain (`type`, *optional*): the chain candidate generator class.
+        tree (`type`, *optional*): the tree drafter class.
     """
-    token = _GENERATOR_CLASS.set(generator_class)
+    tokens = [(_GENERATOR_CLASS, _GENERATOR_CLASS.set(chain)), (_TREE_DRAFTER_CLASS, _TREE_DRAFTER_CLASS.set(tree))]
     try:
         yield
     finally:
-        _GENERATOR_CLASS.reset(token)
+        for var, token in reversed(tokens):
+            var.reset(token)
 
 
 def _batch_size(args, kwargs) -> int | None:

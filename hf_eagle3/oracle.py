@@ -75,7 +75,7 @@ class OracleCandidateGenerator(Eagle3CandidateGenerator):
     accepted for a length drawn each round from ``profile``; the draft's forwards still run. Also times its own work.
 
     Class attributes ``reference`` (`list[int]`: the whole greedy sequence), ``profile`` and ``rng`` are set by
-    :func:`oracle_generator_class`.
+    :func:`bind_oracle`.
     """
 
     reference: list = []
@@ -110,19 +110,6 @@ class OracleCandidateGenerator(Eagle3CandidateGenerator):
         return token, processed
 
 
-def oracle_generator_class(reference: list, profile, seed: int = 0) -> type:
-    """
-    A subclass of :class:`OracleCandidateGenerator` bound to one prompt's greedy ``reference`` and ``profile``.
-
-    Args:
-        reference (`list[int]`): prompt and greedy continuation of the target alone.
-        profile (`tuple[float]`): per-position acceptance.
-        seed (`int`): seed of the per-round draws.
-    """
-    return type("BoundOracleCandidateGenerator", (OracleCandidateGenerator,),
-                {"reference": list(reference), "profile": tuple(profile), "rng": random.Random(seed)})
-
-
 class OracleTreeDrafter(Eagle3TreeDrafter):
     """
     :class:`~hf_eagle3.tree_decoding.Eagle3TreeDrafter` whose trees carry the target's greedy continuation along one
@@ -131,7 +118,7 @@ class OracleTreeDrafter(Eagle3TreeDrafter):
     So a tree accepts what a chain with the same profile accepts, at the tree's own cost (its drafting and its
     verification of every node): the rows show what the tree machinery costs, not what a real tree gains.
 
-    Class attributes ``reference``, ``profile`` and ``rng`` are set by :func:`oracle_drafter_class`.
+    Class attributes ``reference``, ``profile`` and ``rng`` are set by :func:`bind_oracle`.
     """
 
     reference: list = []
@@ -184,14 +171,16 @@ class OracleTreeDrafter(Eagle3TreeDrafter):
         return dataclasses.replace(tree, tokens=torch.tensor(tokens, dtype=tree.tokens.dtype, device=tree.tokens.device))
 
 
-def oracle_drafter_class(reference: list, profile, seed: int = 0) -> type:
+def bind_oracle(oracle_class: type, reference: list, profile, seed: int = 0) -> type:
     """
-    A subclass of :class:`OracleTreeDrafter` bound to one prompt's greedy ``reference`` and ``profile``.
+    A subclass of ``oracle_class`` (:class:`OracleCandidateGenerator` or :class:`OracleTreeDrafter`) bound to one
+    prompt's greedy ``reference`` and ``profile``.
 
     Args:
+        oracle_class (`type`): the oracle class to bind.
         reference (`list[int]`): prompt and greedy continuation of the target alone.
         profile (`tuple[float]`): per-position acceptance.
         seed (`int`): seed of the per-round draws.
     """
-    return type("BoundOracleTreeDrafter", (OracleTreeDrafter,),
+    return type(f"Bound{oracle_class.__name__}", (oracle_class,),
                 {"reference": list(reference), "profile": tuple(profile), "rng": random.Random(seed)})

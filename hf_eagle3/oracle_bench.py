@@ -24,11 +24,10 @@ from pathlib import Path
 import torch
 
 import hf_eagle3
-from hf_eagle3.candidate_generator import use_candidate_generator
+from hf_eagle3.candidate_generator import use_drafting
 from hf_eagle3.cost_model import measure_costs
-from hf_eagle3.oracle import expected_tokens, oracle_drafter_class, oracle_generator_class, parse_profile
+from hf_eagle3.oracle import OracleCandidateGenerator, OracleTreeDrafter, bind_oracle, expected_tokens, parse_profile
 from hf_eagle3.synthetic import synthetic_target
-from hf_eagle3.tree_decoding import use_tree_drafter
 
 
 class _ForwardTimer:
@@ -191,17 +190,16 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
         reference = ref[0].tolist()
         for name, kwargs, _, shape in strategies:
             created = []
-            if shape is None:
-                base, install = oracle_generator_class(reference, profile, seed=seed + index), use_candidate_generator
-            else:
-                base, install = oracle_drafter_class(reference, profile, seed=seed + index), use_tree_drafter
+            base = bind_oracle(OracleCandidateGenerator if shape is None else OracleTreeDrafter, reference, profile,
+                               seed=seed + index)
 
             class Recording(base):
                 def __init__(self, *a, **kw):
                     super().__init__(*a, **kw)
                     created.append(self)
 
-            with install(Recording), _ForwardTimer(target) as timer:
+            install = {"chain": Recording} if shape is None else {"tree": Recording}
+            with use_drafting(**install), _ForwardTimer(target) as timer:
                 draft.reset_stats()
                 sync()
                 start = time.perf_counter()

@@ -11,7 +11,6 @@ Core file: imports only torch/transformers and the other core files.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import time
@@ -376,23 +375,8 @@ class Eagle3TreeDrafter:
         return DraftTree(tokens, tree_parents, tree_depths, ancestors, scores[chosen], max_depth)
 
 
+# The tree drafter class of this context (None: Eagle3TreeDrafter); set by candidate_generator.use_drafting.
 _TREE_DRAFTER_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_tree_drafter_class", default=None)
-
-
-@contextlib.contextmanager
-def use_tree_drafter(drafter_class):
-    """
-    Within the block, EAGLE-3 tree calls of ``generate`` draft with ``drafter_class`` (a subclass of
-    :class:`Eagle3TreeDrafter`) instead: how benchmarks swap in instrumented drafting (``hf-eagle3 bench --oracle``).
-
-    Args:
-        drafter_class (`type`): the tree drafter class.
-    """
-    token = _TREE_DRAFTER_CLASS.set(drafter_class)
-    try:
-        yield
-    finally:
-        _TREE_DRAFTER_CLASS.reset(token)
 
 
 # ------------------------------------------------------------------------------------------------ "auto" tree size

@@ -207,6 +207,27 @@ def scratch_draft_logits(draft, feats, seq, cur_len):
     return out.logits[:, -1]
 
 
+def check_recorded_scores(target, draft, out, record, k: int) -> int:
+    """Compare every draft step recorded during a call (``("round", cur_len)`` markers, then ``(seq, scores)`` pairs)
+    with a from-scratch draft forward over the final sequence ``out``; return how many steps were checked."""
+    from hf_eagle3 import find_decoder_layers
+
+    layer_ids = draft.config.resolve_feature_layer_ids(len(find_decoder_layers(target)))
+    feats = target_features(target, out, layer_ids)
+    checked, cur_len = 0, None
+    with torch.no_grad():
+        for seq, scores in record:
+            if seq == "round":
+                cur_len = scores
+                continue
+            assert 0 <= seq.shape[1] - cur_len < k
+            assert torch.equal(seq[:, :cur_len], out[:, :cur_len])
+            expected = scratch_draft_logits(draft, feats, seq, cur_len)
+            torch.testing.assert_close(scores, expected, atol=1e-4, rtol=1e-4)
+            checked += 1
+    return checked
+
+
 @pytest.mark.parametrize("arch,draft_vocab", [("llama", SMALL_VOCAB), ("gemma3", None)])
 def test_incremental_draft_matches_scratch_forward(arch, draft_vocab, monkeypatch):
     target = target_of(arch)
@@ -233,21 +254,7 @@ def test_incremental_draft_matches_scratch_forward(arch, draft_vocab, monkeypatc
     assert torch.equal(out, ref)
     assert draft.last_stats.num_accepted_tokens > 0  # the cache was cropped after partial acceptance
 
-    from hf_eagle3 import find_decoder_layers
-
-    layer_ids = draft.config.resolve_feature_layer_ids(len(find_decoder_layers(target)))
-    feats = target_features(target, out, layer_ids)
-    checked, cur_len = 0, None
-    with torch.no_grad():
-        for seq, scores in record:
-            if seq == "round":
-                cur_len = scores
-                continue
-            assert 0 <= seq.shape[1] - cur_len < k
-            assert torch.equal(seq[:, :cur_len], out[:, :cur_len])
-            expected = scratch_draft_logits(draft, feats, seq, cur_len)
-            torch.testing.assert_close(scores, expected, atol=1e-4, rtol=1e-4)
-            checked += 1
+    checked = check_recorded_scores(target, draft, out, record, k)
     assert checked >= 3 * k  # several rounds, each with all its draft steps
 
 
