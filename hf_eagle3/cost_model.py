@@ -29,7 +29,7 @@ PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed at a draft position not
 PRIOR_WEIGHT = 2.0  # weight of the prior, in rounds
 CARRIED_WEIGHT = 10.0  # at most this many rounds of a call's evidence carry over to the next call of the draft
 DECAY = 0.95  # per drafted round: older rounds count less, so the estimate follows the text
-PROBE_EVERY = 4  # rounds without a draft before the first probe; doubles after each probe that does not pay
+PROBE_EVERY = 8  # rounds without a draft before the first probe; doubles after each probe that does not pay
 MAX_PROBE_EVERY = 64
 OVERHEAD_SMOOTHING = 0.2  # exponential smoothing of the measured per-round overhead
 
