@@ -34,7 +34,13 @@ MAX_PROBE_EVERY = 64
 OVERHEAD_SMOOTHING = 0.2  # exponential smoothing of the measured per-round overhead
 
 
-def _sync(device) -> None:
+def synchronize(device) -> None:
+    """
+    Wait for ``device``'s queued work (CUDA); nothing to wait for elsewhere. Used around timings only.
+
+    Args:
+        device (`torch.device` or `str`): the device.
+    """
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -121,10 +127,10 @@ def _time(fn, device, repeats: int) -> float:
     fn()
     best = math.inf
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -167,10 +173,10 @@ def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZ
     for _ in range(repeats):  # sweeps over all sizes: a stall of the machine spoils one sweep, not one size
         for n, run in runs.items():
             cache = copy.deepcopy(prefilled)  # each forward extends the same context; the copy is not timed
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             run(cache)
-            _sync(device)
+            synchronize(device)
             costs[n] = min(costs[n], time.perf_counter() - start)
     one = costs[min(sizes)]
     return {n: max(seconds, one) for n, seconds in costs.items()}  # more tokens never cost less than one
@@ -226,7 +232,36 @@ def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOK
     return feed, _time(step, device, repeats)
 
 
-_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_TARGET_SECONDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target -> {key: {n: seconds}}
+_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target -> {key: Eagle3Costs}
+
+
+def _context(input_ids: torch.LongTensor) -> torch.LongTensor:
+    """The first ``CONTEXT_TOKENS`` tokens of ``input_ids`` (repeated when it is shorter)."""
+    context = input_ids[:, :CONTEXT_TOKENS]
+    if context.shape[1] < CONTEXT_TOKENS:
+        context = context.repeat(1, math.ceil(CONTEXT_TOKENS / context.shape[1]))[:, :CONTEXT_TOKENS]
+    return context
+
+
+def target_costs(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, refresh: bool = False) -> dict:
+    """
+    Seconds of a target forward of ``n`` new tokens for each ``n`` in ``sizes``: measured by
+    :func:`measure_target_seconds` on the first use of each target / device / dtype / batch size / sizes, then kept for
+    the process (chains and trees share it).
+
+    Args:
+        target (`PreTrainedModel`): the target.
+        input_ids (`torch.LongTensor` [B, L]): a context to time on (see :data:`CONTEXT_TOKENS`).
+        sizes (`tuple[int]`): numbers of new tokens.
+        refresh (`bool`): measure again even when known.
+    """
+    param = next(target.parameters())
+    key = (str(param.device), str(param.dtype), input_ids.shape[0], tuple(sizes))
+    known = _TARGET_SECONDS.setdefault(target, {})
+    if key not in known or refresh:
+        known[key] = measure_target_seconds(target, _context(input_ids).to(param.device), sizes)
+    return known[key]
 
 
 def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = False) -> Eagle3Costs:
@@ -246,10 +281,7 @@ def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = Fa
            tuple(draft.fc.weight.shape), tuple(draft.lm_head.weight.shape) if hasattr(draft, "lm_head") else None)
     known = _COSTS.setdefault(target, {})
     if key not in known or refresh:
-        context = input_ids[:, :CONTEXT_TOKENS]
-        if context.shape[1] < CONTEXT_TOKENS:
-            context = context.repeat(1, math.ceil(CONTEXT_TOKENS / context.shape[1]))[:, :CONTEXT_TOKENS]
-        target_seconds = measure_target_seconds(target, context.to(param.device))
+        target_seconds = target_costs(target, input_ids, refresh=refresh)
         feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0])
         known[key] = Eagle3Costs(target=target_seconds, draft_feed=feed, draft_step=step)
     return known[key]
@@ -343,6 +375,39 @@ class Eagle3AcceptanceEstimate:
         )
 
 
+class ProbeSchedule:
+    """
+    When a policy that has decided not to draft drafts anyway, to learn whether drafting pays again: after
+    ``every`` rounds without a draft; ``every`` doubles (up to :data:`MAX_PROBE_EVERY`) each time the probe does not
+    change the decision, and falls back to :data:`PROBE_EVERY` when it does.
+
+    Args:
+        every (`int`): rounds without a draft before the next probe.
+    """
+
+    def __init__(self, every: int = PROBE_EVERY):
+        self.every = int(every)
+        self._skipped = 0
+        self._probing = False
+
+    def drafting(self) -> None:
+        """The policy drafts this round on its own."""
+        if self._probing:
+            self.every = PROBE_EVERY  # the probe paid: drafting is back
+        self._probing, self._skipped = False, 0
+
+    def probe_now(self) -> bool:
+        """The policy would not draft this round: whether to draft anyway (a probe)."""
+        if self._probing:  # the last probe did not change the decision: probe less often
+            self.every = min(2 * self.every, MAX_PROBE_EVERY)
+            self._probing = False
+        self._skipped += 1
+        if self._skipped < self.every:
+            return False
+        self._skipped, self._probing = 0, True
+        return True
+
+
 class Eagle3DraftLengthPolicy:
     r"""
     Chooses the draft length of each round (``num_assistant_tokens_schedule="auto"``): the ``k`` in ``0..max_k``
@@ -350,8 +415,7 @@ class Eagle3DraftLengthPolicy:
     seen so far (:class:`Eagle3AcceptanceEstimate`) and the per-round overhead measured in the call.
 
     ``k = 0`` (draft nothing: the round is a plain target step) wins when no draft length pays. Since nothing is
-    learnt while not drafting, the policy then drafts a probe round after :data:`PROBE_EVERY` such rounds, and
-    doubles that interval (up to :data:`MAX_PROBE_EVERY`) each time the probe does not change its mind.
+    learnt while not drafting, the policy then drafts probe rounds (:class:`ProbeSchedule`).
 
     Args:
         costs (`Eagle3Costs`): measured forward costs.
@@ -365,9 +429,12 @@ class Eagle3DraftLengthPolicy:
         self.estimate = estimate if estimate is not None else Eagle3AcceptanceEstimate()
         self.overhead = {False: 0.0, True: 0.0}  # measured minus modelled seconds, rounds without / with a draft
         self._measured = {False: False, True: False}
-        self.probe_every = int(probe_every)
-        self._skipped = 0
-        self._probing = False
+        self.probes = ProbeSchedule(probe_every)
+
+    @property
+    def probe_every(self) -> int:
+        """Rounds without a draft before the next probe."""
+        return self.probes.every
 
     def tokens_per_second(self, k: int, feed: int = 1) -> float:
         """
@@ -406,18 +473,9 @@ class Eagle3DraftLengthPolicy:
             return 0
         k = self.best(max_k, feed)
         if k > 0:
-            if self._probing:
-                self.probe_every = PROBE_EVERY  # the probe paid: drafting is back
-            self._probing, self._skipped = False, 0
+            self.probes.drafting()
             return k
-        if self._probing:  # the last probe did not change the decision: probe less often
-            self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
-            self._probing = False
-        self._skipped += 1
-        if self._skipped < self.probe_every:
-            return 0
-        self._skipped, self._probing = 0, True
-        return self.best(max_k, feed, lowest=1)
+        return self.best(max_k, feed, lowest=1) if self.probes.probe_now() else 0
 
     def observe(self, drafted: int, accepted: int) -> None:
         """

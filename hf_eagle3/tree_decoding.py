@@ -14,12 +14,13 @@ from __future__ import annotations
 import contextvars
 import functools
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation import utils as _gen_utils
+
+from .cost_model import ProbeSchedule, interpolate, synchronize, target_costs
 
 try:  # sliding-window layers of hybrid models (Gemma 3, Mistral with a window, ...)
     from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -33,6 +34,10 @@ TREE_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree inputs (root included) whose target forward cost "auto" measures
 AUTO_MAX_NODES = 63  # largest tree "auto" chooses (64 target inputs with the root)
 AUTO_PRIOR_WEIGHT = 2.0  # pseudo-tokens of the prior calibration 1.0 (see `TreeSizeChooser`)
+MIN_ROUNDS_BEFORE_SKIPPING = 8  # rounds with a tree measured before "auto" may decide to draft none
+SKIP_BELOW = 0.9  # draft no tree while trees make less than this fraction of a plain step's tokens per second
+SMOOTHING = 0.1  # exponential smoothing of the recent rounds' tokens and seconds
+USUAL_FEED = 8  # positions a feed covers after a round with a tree (more: a feed deferred by rounds without one)
 
 
 # ------------------------------------------------------------------------------------------------------ settings
@@ -380,7 +385,6 @@ _TREE_DRAFTER_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_
 
 
 # ------------------------------------------------------------------------------------------------ "auto" tree size
-_TARGET_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class TreeSizeChooser:
@@ -399,14 +403,18 @@ class TreeSizeChooser:
     """
 
     def __init__(self, costs: dict):
-        self.sizes = sorted(costs)
-        self.seconds = [costs[n] for n in self.sizes]
+        self.costs = dict(costs)
         self.accepted = 0.0
         self.predicted = 0.0
         self.draft_seconds = 0.0
         self.draft_forwards = 0
         self.round_seconds = 0.0
         self.rounds = 0
+        self.recent_tokens = None  # smoothed tokens and seconds of the recent rounds with a tree
+        self.recent_seconds = None
+        self.plain_seconds = None  # smoothed seconds of the recent rounds without one
+        self.usual_feed = None  # smoothed seconds of feeding the draft the positions of one round
+        self.probes = ProbeSchedule()
 
     def target_seconds(self, n: int) -> float:
         """
@@ -415,14 +423,31 @@ class TreeSizeChooser:
         Args:
             n (`int`): tokens of the target forward (the root included).
         """
-        sizes, secs = self.sizes, self.seconds
-        if n <= sizes[0]:
-            return secs[0]
-        for (a, ta), (b, tb) in zip(zip(sizes, secs), zip(sizes[1:], secs[1:])):
-            if n <= b:
-                return ta + (tb - ta) * (n - a) / (b - a)
-        (a, ta), (b, tb) = (sizes[-2], secs[-2]), (sizes[-1], secs[-1])
-        return tb + (tb - ta) * (n - b) / max(1, b - a)
+        return interpolate(self.costs, n)
+
+    def draft_this_round(self) -> bool:
+        """
+        Whether to draft a tree this round: while the recent rounds with a tree made clearly fewer tokens per second
+        than a plain target step would (below :data:`SKIP_BELOW` of it; the step measured, or the one-token forward
+        time before any), draft nothing but the probes of a :class:`~hf_eagle3.cost_model.ProbeSchedule`.
+        """
+        if self.rounds < MIN_ROUNDS_BEFORE_SKIPPING:
+            return True  # too little measured yet
+        plain = self.plain_seconds if self.plain_seconds is not None else self.target_seconds(1)
+        if self.recent_tokens / self.recent_seconds * plain >= SKIP_BELOW:
+            self.probes.drafting()
+            return True
+        return self.probes.probe_now()
+
+    def update_plain(self, seconds: float) -> None:
+        """
+        Record a round without a tree.
+
+        Args:
+            seconds (`float`): its wall time.
+        """
+        self.plain_seconds = seconds if self.plain_seconds is None else self.plain_seconds + SMOOTHING * (
+            seconds - self.plain_seconds)
 
     @property
     def calibration(self) -> float:
@@ -462,7 +487,7 @@ class TreeSizeChooser:
         return gain > level_seconds * rate
 
     def update(self, predicted: float, accepted: int, draft_seconds: float, draft_forwards: int = 1,
-               round_seconds: float | None = None) -> None:
+               round_seconds: float | None = None, feed_seconds: float = 0.0, fed: int = 1) -> None:
         """
         Record one round.
 
@@ -473,44 +498,28 @@ class TreeSizeChooser:
             draft_forwards (`int`): draft forwards in that time (the feed plus one per expanded level).
             round_seconds (`float`, *optional*): the whole round (drafting and verification); default
                 ``draft_seconds``.
+            feed_seconds (`float`): the part of it spent feeding the draft.
+            fed (`int`): positions fed. A feed after rounds without a tree covers many positions at once: for the
+                decision to draft (:meth:`draft_this_round`) the round is counted with a usual feed instead.
         """
+        seconds = draft_seconds if round_seconds is None else round_seconds
+        if fed <= USUAL_FEED:
+            self.usual_feed = feed_seconds if self.usual_feed is None else self.usual_feed + SMOOTHING * (
+                feed_seconds - self.usual_feed)
+        else:  # the prompt's feed, or one deferred by rounds without a tree: counted as a usual one
+            seconds += (self.usual_feed or 0.0) - feed_seconds
         self.predicted += predicted
         self.accepted += accepted
         self.draft_seconds += draft_seconds
         self.draft_forwards += draft_forwards
-        self.round_seconds += draft_seconds if round_seconds is None else round_seconds
+        self.round_seconds += seconds
         self.rounds += 1
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_target_costs(verify, device, sizes=AUTO_SIZES) -> dict:
-    """Time the target's tree forward for chains of ``sizes`` tokens (best of two, after a warm-up).
-
-    Args:
-        verify (`Callable[[int], None]`): ``verify(n)`` runs a tree forward of ``n`` tokens on the live cache and
-            removes them again.
-        device (`torch.device`): the target's device (synchronised around each timing).
-        sizes (`tuple[int]`): the forward sizes to time.
-
-    Returns:
-        `dict[int, float]`: seconds per forward of each size (what :class:`TreeSizeChooser` takes).
-    """
-    costs = {}
-    for n in sizes:
-        verify(n)
-        best = float("inf")
-        for _ in range(2):
-            _sync(device)
-            start = time.perf_counter()
-            verify(n)
-            _sync(device)
-            best = min(best, time.perf_counter() - start)
-        costs[n] = best
-    return costs
+        weight = max(SMOOTHING, 1.0 / self.rounds)  # a running mean first, then exponential smoothing
+        if self.recent_seconds is None:
+            self.recent_tokens, self.recent_seconds = accepted + 1.0, seconds
+        else:
+            self.recent_tokens += weight * (accepted + 1.0 - self.recent_tokens)
+            self.recent_seconds += weight * (seconds - self.recent_seconds)
 
 
 # ------------------------------------------------------------------------------------------------ verification
@@ -686,31 +695,25 @@ def eagle3_tree_decoding(
 
     chooser = None
     if settings["total_tokens"] == "auto":
-        key = (str(device), str(dtype))
-        costs = _TARGET_COSTS.setdefault(model, {}).get(key)
-        if costs is None:
-            root = input_ids[0, -1:]
-
-            def timed(n):
-                chain = torch.arange(n, device=device)
-                tree = DraftTree(root.repeat(n), (chain - 1).clamp(min=0), chain,
-                                 chain[:, None] >= chain[None], None, n)
-                verify(tree)
-                gather_cache(cache, chain[:0], n)
-
-            costs = measure_target_costs(timed, device)
-            _TARGET_COSTS[model][key] = costs
-            capture.clear()
-        chooser = TreeSizeChooser(costs)
+        chooser = TreeSizeChooser(target_costs(model, input_ids, sizes=AUTO_SIZES))
+        capture.clear()  # the timing forwards (run once per target) went through the hooks
 
     unfinished = not bool(stopping_criteria(input_ids, scores_out).all())
     while unfinished:
         seq_len = input_ids.shape[1]
         depth = min(settings["depth"], max_length - seq_len - 1)
         started = time.perf_counter()
-        drafter.feed(*pending)
+        drafting = depth >= 1 and (chooser is None or chooser.draft_this_round())
+        feed_seconds, fed = 0.0, 0
+        if drafting:
+            fed = pending[1].shape[0]
+            drafter.feed(*pending)  # a round without a tree defers the feed: the features wait in ``pending``
+            pending = None
+            if chooser is not None:
+                synchronize(drafter.device)
+                feed_seconds = time.perf_counter() - started
         predicted = 0.0
-        if depth >= 1:
+        if drafting:
             top_k, total = settings["top_k"], settings["total_tokens"]
             if total != "auto":
                 top_k, depth = min(top_k, total), min(depth, total)  # deeper or wider nodes could never be kept
@@ -726,7 +729,7 @@ def eagle3_tree_decoding(
             tree = DraftTree(input_ids[0, -1:].to(drafter.device), zero, zero,
                              torch.ones(1, 1, dtype=torch.bool, device=drafter.device), None, 0)
         if chooser is not None:
-            _sync(drafter.device)
+            synchronize(drafter.device)
         draft_seconds = time.perf_counter() - started
 
         outputs = verify(tree)
@@ -781,7 +784,9 @@ def eagle3_tree_decoding(
         capture.clear()
         del outputs
         new = torch.tensor([valid], dtype=input_ids.dtype, device=device)
-        pending = (features[:, keep.to(drafter.device)], new[0])
+        verified = (features[:, keep.to(drafter.device)], new[0])
+        pending = verified if pending is None else (torch.cat([pending[0], verified[0]], dim=1),
+                                                   torch.cat([pending[1], verified[1]]))
         input_ids = torch.cat([input_ids, new], dim=-1)
         if prefix_allowed is not None:
             prefix_allowed = torch.cat([prefix_allowed, prefix_allowed.new_ones(len(valid))])
@@ -792,10 +797,11 @@ def eagle3_tree_decoding(
         if want_logits:
             logits_out += tuple(visited_logits[: len(valid)])
         run.stats.record(max(host[2]), kept)
-        if chooser is not None:
-            levels = candidates[4] if depth >= 1 else 0
-            chooser.update(predicted, len(accepted), draft_seconds, draft_forwards=max(1, levels),
-                           round_seconds=time.perf_counter() - started)
+        if chooser is not None and drafting:
+            chooser.update(predicted, len(accepted), draft_seconds, draft_forwards=max(1, candidates[4]),
+                           round_seconds=time.perf_counter() - started, feed_seconds=feed_seconds, fed=fed)
+        elif chooser is not None and depth >= 1:
+            chooser.update_plain(time.perf_counter() - started)
         unfinished = not bool(stopping_criteria(input_ids, scores_out).all())
 
     if streamer is not None:

@@ -30,6 +30,7 @@ from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
 
 import hf_eagle3.tree_decoding as td
+from hf_eagle3 import cost_model
 from hf_eagle3.candidate_generator import _ACTIVE
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
@@ -201,9 +202,11 @@ def test_settings_from_draft_generation_config_and_auto():
     oracle(draft, ref[0].tolist())
     out = greedy(target, ids, max_new_tokens=16, assistant_model=draft)
     assert torch.equal(out, ref)
-    assert td._TARGET_COSTS[target], "auto measured the target's forward cost"
+    from hf_eagle3 import cost_model
+
+    measured = cost_model._TARGET_SECONDS[target]
+    assert any(key[-1] == td.AUTO_SIZES for key in measured), "auto measured the target's forward cost"
     assert draft.last_stats.mean_acceptance_length > 1.5
-    assert set(td._TARGET_COSTS[target][next(iter(td._TARGET_COSTS[target]))]) == set(td.AUTO_SIZES)
 
 
 def test_size_chooser():
@@ -213,6 +216,56 @@ def test_size_chooser():
     assert chooser.choose([0.95] * 40) > 7
     chooser.update(predicted=100.0, accepted=0, draft_seconds=0.0)  # the draft is badly over-confident
     assert chooser.choose([0.9] * 40) <= 7
+
+
+def test_size_chooser_drafts_nothing_while_trees_do_not_pay():
+    chooser = td.TreeSizeChooser({1: 0.04, 64: 0.08})
+    for _ in range(td.MIN_ROUNDS_BEFORE_SKIPPING):
+        assert chooser.draft_this_round()  # too little measured yet
+        chooser.update(predicted=1.0, accepted=0, draft_seconds=0.02, round_seconds=0.08)  # 1 token in 80 ms
+    decisions = [chooser.draft_this_round() for _ in range(20)]  # a plain step: 1 token in 40 ms
+    assert decisions[: cost_model.PROBE_EVERY - 1] == [False] * (cost_model.PROBE_EVERY - 1)
+    assert decisions[cost_model.PROBE_EVERY - 1]  # a probe
+    chooser = td.TreeSizeChooser({1: 0.04, 64: 0.08})
+    for _ in range(5):
+        chooser.update(predicted=3.0, accepted=3, draft_seconds=0.02, round_seconds=0.08)  # 4 tokens in 80 ms
+        chooser.update_plain(0.04)
+    assert chooser.draft_this_round()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_auto_tree_rounds_without_a_tree_stay_lossless(arch, monkeypatch):
+    """Rounds that draft no tree defer the draft's feed; the next tree is drafted from all the features at once."""
+    target = target_of(arch)
+    ids = prompt(9, seed=8)
+    ref = greedy(target, ids, max_new_tokens=24)
+    draft = oracle(tiny_draft(target, seed=8), ref[0].tolist())
+    pattern = iter([True, False, False, True, False, True, True, False, False, False] * 5)
+    monkeypatch.setattr(td.TreeSizeChooser, "draft_this_round", lambda self: next(pattern))
+    fed = []
+    original_feed = td.Eagle3TreeDrafter.feed
+    monkeypatch.setattr(td.Eagle3TreeDrafter, "feed",
+                        lambda self, features, tokens: fed.append((features, tokens)) or original_feed(self, features,
+                                                                                                     tokens))
+    out = greedy(target, ids, max_new_tokens=24, assistant_model=draft, tree_top_k=3, tree_depth=4,
+                 tree_total_tokens="auto")
+    assert torch.equal(out, ref)
+    stats = draft.last_stats
+    assert stats.num_rounds_without_draft > 0 and stats.num_accepted_tokens > 0
+    assert stats.num_target_forwards == stats.num_drafts + stats.num_rounds_without_draft + 1
+    # What the draft consumed, feeds after deferrals included, is exactly the target's features of the final sequence
+    # at positions 0..n-1, each paired with the token that follows it.
+    from test_core_greedy import target_features
+
+    from hf_eagle3 import find_decoder_layers
+
+    features = torch.cat([f for f, _ in fed], dim=1)
+    tokens = torch.cat([t for _, t in fed])
+    n = features.shape[1]
+    assert len(fed) < stats.num_target_forwards and n == tokens.shape[0]
+    assert torch.equal(tokens, out[0, 1 : n + 1])
+    layer_ids = draft.config.resolve_feature_layer_ids(len(find_decoder_layers(target)))
+    torch.testing.assert_close(features, target_features(target, out, layer_ids)[:, :n], atol=1e-4, rtol=1e-4)
 
 
 def test_size_chooser_stops_expanding_when_a_level_cannot_pay():
