@@ -186,7 +186,8 @@ def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZ
 def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOKENS, feed_sizes=FEED_SIZES,
                           repeats: int = 3) -> tuple[dict, float]:
     """
-    Time the draft's feed (a forward over ``m`` verified positions) and its one-token step, on random inputs.
+    Time the draft's feed (a forward over ``m`` verified positions) and its one-token step, on random inputs, each with
+    the token choice that follows it in a round (argmax, vocabulary mapping, appending to the sequence).
 
     Args:
         draft (`Eagle3DraftModel`): the draft, on its device and in its dtype.
@@ -213,13 +214,19 @@ def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOK
     ids, feats = inputs(context)
     out = draft(input_ids=ids, target_features=feats, cache=cache, logits_to_keep=1)
 
+    sequence = torch.zeros(batch_size, context, dtype=torch.long, device=device)
+
+    def pick(result):  # what a round does with each draft forward: best draft id, mapped, appended
+        best = result.logits[:, -1].argmax(-1)
+        return torch.cat([sequence, (best + draft.d2t[best])[:, None]], dim=-1)
+
     feed = {}
     for m in feed_sizes:
         ids, feats = inputs(m)
 
         def run():
             cache.crop(context)
-            draft(input_ids=ids, target_features=feats, cache=cache, logits_to_keep=1)
+            pick(draft(input_ids=ids, target_features=feats, cache=cache, logits_to_keep=1))
 
         feed[m] = _time(run, device, repeats)
     hidden = out.hidden_states[:, -1:]
@@ -227,7 +234,7 @@ def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOK
 
     def step():
         cache.crop(context)
-        draft(input_ids=token, hidden_states=hidden, cache=cache, logits_to_keep=1)
+        pick(draft(input_ids=token, hidden_states=hidden, cache=cache, logits_to_keep=1))
 
     return feed, _time(step, device, repeats)
 
