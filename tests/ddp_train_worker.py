@@ -43,6 +43,7 @@ def main() -> None:
                               log_every=1, save_every=3, mixed_precision="no", holdout_shards=1, max_minutes=minutes)
     final = trainer.train(draft, feats, out, cfg, log=lambda s: None)
     torch.save({"seen": seen, "state": final.state_dict()}, out / f"rank{os.environ['RANK']}.pt")
+    trainer.end_distributed()
 
 
 if __name__ == "__main__":

@@ -289,3 +289,35 @@ def test_a_newly_trained_draft_saves_auto():
     t2d[:16] = True
     draft = init_draft(config, head, d2t, t2d)
     assert draft.generation_config.num_assistant_tokens_schedule == "auto"
+
+
+def test_speculators_export_carries_the_shared_embedding_when_the_target_is_known(tmp_path):
+    """speculators' own loader does not take the verifier's embedding when a checkpoint lacks one: the export writes
+    the target's (as speculators' checkpoints carry it) when it knows the target, and warns when it does not."""
+    from safetensors.torch import load_file
+
+    from hf_eagle3 import Eagle3DraftModel
+    from hf_eagle3.export import export_draft
+
+    target = target_of("llama")
+    draft = tiny_draft(target, 48, seed=9)
+    with pytest.warns(UserWarning, match="embed_tokens"):
+        export_draft(draft, tmp_path / "bare", format="speculators")
+    assert "embed_tokens.weight" not in load_file(str(tmp_path / "bare" / "model.safetensors"))
+    export_draft(draft, tmp_path / "full", format="speculators", target=target)
+    weights = load_file(str(tmp_path / "full" / "model.safetensors"))
+    assert torch.equal(weights["embed_tokens.weight"], target.get_input_embeddings().weight)
+    reloaded = Eagle3DraftModel.from_pretrained(tmp_path / "full")
+    ids = random_prompt(6, seed=9)
+    feats = torch.randn(1, 6, 3 * target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    draft.bind_target(target)
+    with torch.no_grad():
+        a = draft(input_ids=ids, target_features=feats).logits
+        b = reloaded(input_ids=ids, target_features=feats).logits
+    torch.testing.assert_close(a, b)
+    from conftest import tiny_target
+
+    other = tiny_target("llama", hidden_size=32, intermediate_size=64)  # a target the draft does not fit
+    with pytest.raises(ValueError, match="hidden"):
+        export_draft(tiny_draft(target, 48, seed=9), tmp_path / "bad", format="speculators", target=other)
+    assert not (tmp_path / "bad").exists()  # refused before anything was written

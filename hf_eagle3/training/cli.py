@@ -108,7 +108,7 @@ def cmd_train(args) -> None:
 
     from .features import cache_features
     from .prepare import iter_records
-    from .trainer import TrainConfig, draft_config_for_target, evaluate, init_draft, train
+    from .trainer import TrainConfig, draft_config_for_target, end_distributed, evaluate, init_draft, train
     from .vocab import build_vocab_mapping, count_tokens, coverage
 
     out = Path(args.out)
@@ -168,6 +168,7 @@ def cmd_train(args) -> None:
     )
     t0 = time.time()
     draft = train(draft, features_dir, out / "run", cfg)
+    end_distributed()
     minutes = (time.time() - t0) / 60
     if not state.is_main_process:  # the main process holds the same weights and saves them
         return

@@ -647,9 +647,20 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
                 ended += (f", {clock['now'] / 60:.1f} of the {cfg.max_minutes:g} minutes of --max-minutes used: "
                           "raise --epochs to train longer")
         log(f"training ended: {ended}")
+    accelerator.wait_for_everyone()  # no process leaves (and tears down) while another is still in a collective
     final = unwrapped.cpu().eval()
     final._target_embedding = None
     return final
+
+
+def end_distributed() -> None:
+    """Leave the process group of a multi-process run cleanly (after a barrier): a process that exits with it still
+    up can abort in the communication threads' destructors. Nothing to do in a single process."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from accelerate import PartialState
+
+        PartialState().wait_for_everyone()
+        PartialState().destroy_process_group()
 
 
 @torch.no_grad()
