@@ -23,6 +23,7 @@ import torch
 
 import hf_eagle3
 from hf_eagle3 import Eagle3Config, Eagle3DraftModel, Eagle3Stats
+from hf_eagle3.cost_model import measure_target_seconds
 
 SHIPPED_DRAFT = Path("examples") / "drafts" / "smollm2-135m-eagle3"
 DRAFT_ENV = "HF_EAGLE3_DRAFT"
@@ -403,7 +404,8 @@ def run_bench(
         out_dir: when given, write ``bench.json``, ``bench.md`` and ``bench.png`` there.
         meta: extra fields stored under ``"settings"`` in the report (e.g. model names, the command line).
         progress: show a tqdm progress bar on stderr.
-        cost_sizes: token counts for :func:`target_forward_costs` on the first prompt (empty: skip).
+        cost_sizes: token counts for :func:`~hf_eagle3.cost_model.measure_target_seconds` on the first prompt
+            (empty: skip).
 
     Returns:
         The report dict (as written to ``bench.json``): ``settings``, ``results`` (one entry per mode and strategy),
@@ -425,7 +427,7 @@ def run_bench(
         target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(8, max_new_tokens),
                         do_sample=False, **kwargs)
 
-    costs = target_forward_costs(target, encoded[0], tuple(cost_sizes)) if cost_sizes else {}
+    costs = measure_target_seconds(target, encoded[0], tuple(cost_sizes)) if cost_sizes else {}
 
     totals = {}
     greedy_outputs = {s.name: [] for s in strategies}
@@ -526,51 +528,6 @@ def run_bench(
     if out_dir is not None:
         write_outputs(report, out_dir)
     return report
-
-
-def target_forward_costs(target, input_ids: torch.LongTensor, sizes=(1, 2, 4, 8, 16, 32), repeats: int = 3) -> dict:
-    """Time one target forward of ``n`` new tokens on top of the KV cache of ``input_ids``, for each ``n`` in ``sizes``.
-
-    This is what speculative decoding trades on: a round verifies ``k + 1`` (chain) or ``total_tokens + 1`` (tree)
-    tokens in one forward, so the ratio ``cost(n) / cost(1)`` bounds the speed-up any acceptance length can buy. On
-    GPUs it stays near 1 up to dozens of tokens; on CPUs it depends strongly on the dtype (see docs/benchmarks.md).
-
-    Args:
-        target: the target model.
-        input_ids (`torch.LongTensor` [1, L]): the context whose cache the timed forwards extend.
-        sizes (`tuple[int]`): the numbers of new tokens to time.
-        repeats (`int`): timed forwards per size (after one warm-up); the median is kept.
-
-    Returns:
-        `dict[int, float]`: median seconds per forward, by number of new tokens.
-    """
-    import inspect
-
-    from transformers import DynamicCache
-
-    from hf_eagle3.tree_decoding import gather_cache
-
-    cache_key = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    cache = DynamicCache(config=target.config)
-    context = input_ids.shape[1]
-    costs = {}
-    with torch.no_grad():
-        target(input_ids=input_ids, use_cache=True, **{cache_key: cache})
-        for n in sizes:
-            new = input_ids[:, -1:].repeat(1, n)
-            positions = torch.arange(context, context + n, device=input_ids.device)[None]
-            times = []
-            for r in range(repeats + 1):
-                sync()
-                start = time.perf_counter()
-                target(input_ids=new, position_ids=positions, use_cache=True, **{cache_key: cache})
-                sync()
-                if r:
-                    times.append(time.perf_counter() - start)
-                gather_cache(cache, torch.zeros(0, dtype=torch.long), n)
-            costs[n] = sorted(times)[len(times) // 2]
-    return costs
 
 
 # --------------------------------------------------------------------------------------------------------- outputs

@@ -75,7 +75,6 @@ class Eagle3Stats:
         """Tokens per drafting round, counting the target's bonus token: ``1 + accepted / num_drafts``."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
-
     @property
     def mean_draft_length(self) -> float:
         """Tokens drafted per drafting round."""
@@ -334,16 +333,13 @@ class Eagle3CandidateGenerator(CandidateGenerator):
 
     def _select(self, seq: torch.LongTensor, draft_scores: torch.FloatTensor):
         """Pick the next draft token (target id) from draft-vocabulary scores; return it and the processed scores."""
-        if not self.do_sample:
-            if not self.logits_processor:
-                return self.d2t.map_tokens(draft_scores.argmax(-1)), None
-            scores = self.d2t(seq, draft_scores.float())  # greedy with processors: as Transformers' assisted decoding
-            for processor in self.logits_processor:
-                scores = processor(seq, scores)
-            return scores.argmax(-1), None
+        if not self.do_sample and not self.logits_processor:
+            return self.d2t.map_tokens(draft_scores.argmax(-1)), None
         scores = self.d2t(seq, draft_scores.float())
-        for processor in self.logits_processor:
+        for processor in self.logits_processor:  # greedy too, as Transformers' assisted decoding does
             scores = processor(seq, scores)
+        if not self.do_sample:
+            return scores.argmax(-1), None
         token = torch.multinomial(scores.softmax(-1), num_samples=1)[:, 0]
         return token, scores
 

@@ -45,6 +45,19 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def smooth(previous: float | None, value: float, weight: float) -> float:
+    """
+    Exponential smoothing: ``value`` itself when there is nothing yet, else ``previous`` moved by ``weight`` of the
+    way towards it.
+
+    Args:
+        previous (`float`, *optional*): the smoothed value so far (``None``: none).
+        value (`float`): the new observation.
+        weight (`float`): in (0, 1].
+    """
+    return value if previous is None else previous + weight * (value - previous)
+
+
 def interpolate(table: dict, n: float) -> float:
     """
     Linear interpolation in ``table`` (``{size: seconds}``), linear extrapolation beyond its largest size.
@@ -434,8 +447,7 @@ class Eagle3DraftLengthPolicy:
                  probe_every: int = PROBE_EVERY):
         self.costs = costs
         self.estimate = estimate if estimate is not None else Eagle3AcceptanceEstimate()
-        self.overhead = {False: 0.0, True: 0.0}  # measured minus modelled seconds, rounds without / with a draft
-        self._measured = {False: False, True: False}
+        self.overhead = {False: None, True: None}  # measured minus modelled seconds, rounds without / with a draft
         self.probes = ProbeSchedule(probe_every)
 
     @property
@@ -451,8 +463,9 @@ class Eagle3DraftLengthPolicy:
             k (`int`): tokens drafted (0: a plain target step).
             feed (`int`): positions the draft consumes first.
         """
-        drafting = k > 0
-        overhead = self.overhead[drafting] if self._measured[drafting] else self.overhead[not drafting]
+        overhead = self.overhead[k > 0]
+        if overhead is None:  # not measured yet for this kind of round: the other kind's, else none
+            overhead = self.overhead[k == 0] or 0.0
         seconds = self.costs.round_seconds(k, feed) + overhead
         return self.estimate.expected_tokens(k) / max(seconds, 1e-9)
 
@@ -503,12 +516,8 @@ class Eagle3DraftLengthPolicy:
             seconds (`float`): the round's wall time (drafting, verification, bookkeeping).
             feed (`int`): positions the draft consumed at the start of the round.
         """
-        drafting = drafted > 0
         residual = seconds - self.costs.round_seconds(drafted, feed)
-        if not self._measured[drafting]:
-            self.overhead[drafting], self._measured[drafting] = residual, True
-        else:
-            self.overhead[drafting] += OVERHEAD_SMOOTHING * (residual - self.overhead[drafting])
+        self.overhead[drafted > 0] = smooth(self.overhead[drafted > 0], residual, OVERHEAD_SMOOTHING)
 
     def carried(self) -> dict:
         """What the next call of the same draft starts from: the acceptance estimate (as a prior) and the probe

@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation import utils as _gen_utils
 
-from .cost_model import ProbeSchedule, interpolate, synchronize, target_costs
+from .cost_model import ProbeSchedule, interpolate, smooth, synchronize, target_costs
 
 try:  # sliding-window layers of hybrid models (Gemma 3, Mistral with a window, ...)
     from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -446,8 +446,7 @@ class TreeSizeChooser:
         Args:
             seconds (`float`): its wall time.
         """
-        self.plain_seconds = seconds if self.plain_seconds is None else self.plain_seconds + SMOOTHING * (
-            seconds - self.plain_seconds)
+        self.plain_seconds = smooth(self.plain_seconds, seconds, SMOOTHING)
 
     @property
     def calibration(self) -> float:
@@ -504,8 +503,7 @@ class TreeSizeChooser:
         """
         seconds = draft_seconds if round_seconds is None else round_seconds
         if fed <= USUAL_FEED:
-            self.usual_feed = feed_seconds if self.usual_feed is None else self.usual_feed + SMOOTHING * (
-                feed_seconds - self.usual_feed)
+            self.usual_feed = smooth(self.usual_feed, feed_seconds, SMOOTHING)
         else:  # the prompt's feed, or one deferred by rounds without a tree: counted as a usual one
             seconds += (self.usual_feed or 0.0) - feed_seconds
         self.predicted += predicted
@@ -515,11 +513,8 @@ class TreeSizeChooser:
         self.round_seconds += seconds
         self.rounds += 1
         weight = max(SMOOTHING, 1.0 / self.rounds)  # a running mean first, then exponential smoothing
-        if self.recent_seconds is None:
-            self.recent_tokens, self.recent_seconds = accepted + 1.0, seconds
-        else:
-            self.recent_tokens += weight * (accepted + 1.0 - self.recent_tokens)
-            self.recent_seconds += weight * (seconds - self.recent_seconds)
+        self.recent_tokens = smooth(self.recent_tokens, accepted + 1.0, weight)
+        self.recent_seconds = smooth(self.recent_seconds, seconds, weight)
 
 
 # ------------------------------------------------------------------------------------------------ verification

@@ -395,6 +395,16 @@ def test_sampling_with_auto_size_and_depth_keeps_target_distribution():
     assert min(p.values()) > ALPHA / 2, p
 
 
+def test_sampling_with_rounds_without_a_tree_keeps_target_distribution(monkeypatch):
+    """Rounds that draft no tree (the root alone is verified, the feed waits) between rounds with one: exact too."""
+    pattern = iter([False, True, False, False, True] * 2000)
+    monkeypatch.setattr(td.TreeSizeChooser, "draft_this_round", lambda self: next(pattern))
+    samples, accepted = tree_samples(500, seed=6000, shape=tree(4, 4, "auto"))
+    assert accepted > 0.1, "some rounds must draft and be accepted"
+    p = token_p_values(samples, plain_samples())
+    assert min(p.values()) > ALPHA / 2, p
+
+
 def _broken_residual(probs, child_tokens):
     """Bug: rejected children are not removed from the distribution the bonus token is sampled from."""
     if child_tokens:
