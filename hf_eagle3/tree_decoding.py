@@ -699,7 +699,7 @@ def eagle3_tree_decoding(
         depth = min(settings["depth"], max_length - seq_len - 1)
         started = time.perf_counter()
         drafting = depth >= 1 and (chooser is None or chooser.draft_this_round())
-        feed_seconds, fed = 0.0, 0
+        predicted = 0.0
         if drafting:
             fed = pending[1].shape[0]
             drafter.feed(*pending)  # a round without a tree defers the feed: the features wait in ``pending``
@@ -707,8 +707,6 @@ def eagle3_tree_decoding(
             if chooser is not None:
                 synchronize(drafter.device)
                 feed_seconds = time.perf_counter() - started
-        predicted = 0.0
-        if drafting:
             top_k, total = settings["top_k"], settings["total_tokens"]
             if total != "auto":
                 top_k, depth = min(top_k, total), min(depth, total)  # deeper or wider nodes could never be kept
