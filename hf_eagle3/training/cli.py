@@ -65,37 +65,65 @@ def process_share(num_shards: int | None, shard_index: int | None) -> tuple[int,
 
 
 def cmd_prepare(args) -> None:
-    """Regenerate responses to a prompt file with the target (resumable); prints the dtype chosen first.
+    """Regenerate responses to a prompt file with the target (resumable); prints the dtype chosen first. With
+    ``--self-prompts N`` the target first writes N prompts of its own, which are then answered like the others.
 
     Args:
         args: the parsed ``prepare`` options.
     """
     from .prepare import prepare
 
+    self_prompts = getattr(args, "self_prompts", 0) or 0
+    if args.prompts is None and self_prompts <= 0:  # before the model is loaded
+        raise SystemExit("prepare needs prompts: --prompts FILE (JSONL of {id, prompt}), or --self-prompts N to have "
+                         "the target write N prompts of its own.")
+    if self_prompts < 0:
+        raise SystemExit(f"--self-prompts {self_prompts}: give a number of prompts >= 0.")
     num_shards, shard_index = process_share(args.num_shards, args.shard_index)
     if not 0 <= shard_index < num_shards:  # before the model is loaded
         raise SystemExit(f"--shard-index {shard_index} is outside 0..{num_shards - 1} (--num-shards {num_shards}).")
+    self_file = None
+    exclude = []
+    if self_prompts > 0:
+        from .self_prompts import count_prompts, read_exclude_prompts
+
+        self_file = Path(args.self_prompts_file or Path(args.out) / "self_prompts.jsonl")
+        if num_shards > 1 and count_prompts(self_file) < self_prompts:
+            raise SystemExit(f"--self-prompts with {num_shards} processes: {self_file} holds fewer than "
+                             f"{self_prompts} prompts, and only one process may write it. Run this command in one "
+                             "process first (it writes the prompts and answers them; stop it once the prompts are "
+                             "written if you like), then launch the processes with the same options.")
+        if args.exclude_prompts:
+            exclude = read_exclude_prompts(args.exclude_prompts)
     device = args.device or default_device()
     dtype, line = resolve_dtype(args.dtype, device)
     print(line)
     model, tok = load_target(args.target, dtype, device=device)
-    prepare(
-        model,
-        tok,
-        args.prompts,
-        args.out,
-        max_prompts=args.max_prompts,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        seed=args.seed,
-        features_dir=args.features_dir,
-        max_feature_prompt_tokens=args.max_feature_prompt_tokens,
-        num_shards=num_shards,
-        shard_index=shard_index,
-    )
+    files = [args.prompts] if args.prompts is not None else []
+    if self_file is not None:
+        from .self_prompts import write_self_prompts
+
+        write_self_prompts(model, tok, self_prompts, self_file, seed=args.seed, exclude_prompts=exclude,
+                           temperature=args.self_prompt_temperature, batch_size=args.batch_size)
+        files.append(self_file)
+    for prompts in files:
+        prepare(
+            model,
+            tok,
+            prompts,
+            args.out,
+            max_prompts=args.max_prompts,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            do_sample=args.do_sample,
+            temperature=args.temperature,
+            seed=args.seed,
+            features_dir=args.features_dir,
+            max_feature_prompt_tokens=args.max_feature_prompt_tokens,
+            num_shards=num_shards,
+            shard_index=shard_index,
+        )
 
 
 def cmd_train(args) -> None:
@@ -204,10 +232,13 @@ def register(subparsers) -> None:
         help="regenerate training responses with the target (resumable)",
         description="Answer the prompts of a JSONL file with the target itself (its chat template, greedy by "
         "default) and store the token ids under --out; a rerun skips the prompts already answered. With "
+        "--self-prompts N the target first writes N prompts of its own. With "
         "--features-dir it also writes the draft's training features during generation.",
     )
     p.add_argument("--target", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--prompts", required=True, help="JSONL of {id, prompt} (MT-bench `turns` also work)")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL of {id, prompt} (MT-bench `turns` also work); required unless --self-prompts is given "
+                   "(default: none)")
     p.add_argument("--out", required=True, help="directory of the responses-*.jsonl files (created; resumed)")
     p.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts (default: all)")
     p.add_argument("--max-prompt-tokens", type=int, default=512,
@@ -226,6 +257,18 @@ def register(subparsers) -> None:
     p.add_argument("--max-feature-prompt-tokens", type=int, default=256,
                    help="prompt positions kept per record in the feature shards (default 256)")
     p.add_argument("--device", default=None, help="where the target runs (default: cuda:LOCAL_RANK if CUDA, else cpu)")
+    p.add_argument("--self-prompts", type=int, default=0,
+                   help="first have the target write N prompts of its own (Magpie: its chat template up to a user "
+                   "turn, sampled with --seed; degenerate, duplicate and --exclude-prompts-overlapping ones dropped), "
+                   "then answer them like --prompts (default 0: none)")
+    p.add_argument("--self-prompts-file", default=None,
+                   help="JSONL the self-written prompts go to; a rerun continues it (default: OUT/self_prompts.jsonl)")
+    p.add_argument("--exclude-prompts", default=None,
+                   help="JSONL of evaluation prompts ({turns: [...]} or {prompt}) no self-written prompt may equal "
+                   "or share a 50-character span with; pass ../shared/data/eval/mt_bench.jsonl when you measure on "
+                   "MT-bench (default: none)")
+    p.add_argument("--self-prompt-temperature", type=float, default=1.0,
+                   help="sampling temperature of the self-written prompts (default 1.0)")
     p.add_argument("--num-shards", type=int, default=None,
                    help="processes sharing the prompts (default: $WORLD_SIZE, set by accelerate launch / torchrun; 1)")
     p.add_argument("--shard-index", type=int, default=None,
