@@ -72,7 +72,7 @@ def load_draft_for(target, draft: str | None):
         draft: a draft directory / Hub id, or ``None``.
     """
     from hf_eagle3 import Eagle3DraftModel
-    from hf_eagle3.bench import DRAFT_ENV, random_draft_for, shipped_draft_path
+    from hf_eagle3.loading import DRAFT_ENV, random_draft_for, shipped_draft_path
 
     source = draft or os.environ.get(DRAFT_ENV)
     if source is None and (shipped_draft_path() / "config.json").is_file():
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     import hf_eagle3  # noqa: F401  (installs the generate hook)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from hf_eagle3.bench import encode_prompt, load_prompts
+    from hf_eagle3.loading import encode_prompt, load_prompts
     from hf_eagle3.real_model import smollm2_path
 
     warnings.filterwarnings("ignore")

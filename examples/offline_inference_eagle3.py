@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load_categories(dataset: str | None) -> list:
     """The ``category`` field of each non-empty line of ``dataset`` (``None`` where absent), in file order, so that it
-    lines up with ``hf_eagle3.bench.load_prompts``; ``[]`` without a dataset.
+    lines up with ``hf_eagle3.loading.load_prompts``; ``[]`` without a dataset.
 
     Args:
         dataset: a JSON-lines file (MT-bench ``question.jsonl`` layout), or ``None``.
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    from hf_eagle3.bench import encode_prompt, load_draft, load_prompts, load_target
+    from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target
 
     stride = max(1, args.prompt_stride)
     prompts = load_prompts(args.dataset, None)[::stride][: args.num_prompts]

@@ -122,7 +122,7 @@ def _prompt_ids(tokenizer, num_prompts: int, vocab_size: int) -> list[torch.Long
     if tokenizer is None:
         gen = torch.Generator().manual_seed(0)
         return [torch.randint(4, vocab_size, (1, 12), generator=gen) for _ in range(num_prompts)]
-    from .bench import encode_prompt
+    from .loading import encode_prompt
 
     return [encode_prompt(tokenizer, CHECK_PROMPTS[i % len(CHECK_PROMPTS)]) for i in range(num_prompts)]
 

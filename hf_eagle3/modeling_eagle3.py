@@ -1,7 +1,8 @@
-"""The EAGLE-3 draft model and the loaders of the published checkpoint layouts.
+"""The EAGLE-3 draft model and its loading from the published checkpoint layouts.
 
 Core file: imports only torch/transformers and the other core files, so it can be copied next to a checkpoint for
-``trust_remote_code``. Importing it installs the ``generate`` hook (see ``candidate_generator.py``).
+``trust_remote_code``. It imports no decoding module: the ``generate`` hook is installed by the package's
+``__init__`` or, in a remote-code bundle, by ``auto_entry.py`` (see ``generate_hook.py``).
 """
 
 from __future__ import annotations
@@ -14,258 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
-from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
-from .candidate_generator import SAVED_DRAFT_SETTINGS, install_generate_hook
+from .checkpoint_files import convert_state_dict, read_state_dict, resolve_file
 from .configuration_eagle3 import Eagle3Config, config_dict_to_native, read_config_file
-from .rope import apply_rope, rope_attention_scaling, rope_inv_freq, rotary_dim  # noqa: F401  (re-exported)
+from .draft_cache import Eagle3KVCache
+from .draft_layers import Eagle3DecoderLayer, Eagle3RMSNorm
+from .rope import rope_attention_scaling, rope_inv_freq
+from .settings import SAVED_DRAFT_SETTINGS
 
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
-class Eagle3RMSNorm(nn.Module):
-    """RMSNorm as in Llama: ``weight * x / sqrt(mean(x**2) + eps)``, computed in float32.
-
-    Args:
-        size (`int`): width of the normalised (last) dimension.
-        eps (`float`): added to the mean square.
-    """
-
-    def __init__(self, size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """
-        Normalise the last dimension of ``x``.
-
-        Args:
-            x (`torch.Tensor` [..., size]): the input, returned in its own dtype.
-        """
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-class Eagle3KVCache:
-    """The draft's key/value cache: preallocated buffers with a length that can be cropped.
-
-    ``update`` appends new keys/values and returns everything cached so far; ``crop`` forgets the tail (drafted
-    positions that were rejected), without copying. For a sliding-window draft it also keeps the position of each
-    cached key (the window is measured in positions, as vLLM does, also for tree nodes).
-    """
-
-    def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
-        self.length = 0
-
-    def get_seq_length(self) -> int:
-        """Number of cached positions."""
-        return self.length
-
-    def crop(self, length: int) -> None:
-        """
-        Keep only the first ``length`` positions (a longer ``length`` changes nothing).
-
-        Args:
-            length (`int`): positions to keep.
-        """
-        self.length = max(0, min(self.length, length))
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None):
-        """
-        Append new keys and values and return all cached ones.
-
-        Args:
-            k (`torch.Tensor` [B, kv_heads, n, D]): keys of the new positions.
-            v (`torch.Tensor` [B, kv_heads, n, D]): their values.
-            positions (`torch.LongTensor` [n], *optional*): their positions, kept when given (sliding windows).
-
-        Returns:
-            `(keys, values)`, each [B, kv_heads, cached + n, D] (views of the buffers).
-        """
-        n = k.shape[2]
-        need = self.length + n
-        if self.keys is None or need > self.keys.shape[2] or self.keys.shape[0] != k.shape[0]:
-            cap = max(256, 2 * need)
-            keys = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
-            values = v.new_empty(keys.shape)
-            pos = torch.zeros(cap, dtype=torch.long, device=k.device)
-            if self.keys is not None and self.length:
-                keys[:, :, : self.length] = self.keys[:, :, : self.length]
-                values[:, :, : self.length] = self.values[:, :, : self.length]
-                pos[: self.length] = self.positions[: self.length]
-            self.keys, self.values, self.positions = keys, values, pos
-        self.keys[:, :, self.length : need] = k
-        self.values[:, :, self.length : need] = v
-        if positions is not None:
-            self.positions[self.length : need] = positions
-        self.length = need
-        return self.keys[:, :, :need], self.values[:, :, :need]
-
-    def key_positions(self) -> torch.Tensor:
-        """Positions of the cached keys [length] (meaningful when every ``update`` gave them)."""
-        return self.positions[: self.length]
-
-
-def sliding_window_mask(attention_mask, query_positions: torch.Tensor, key_positions: torch.Tensor, window: int,
-                        past: int):
-    """
-    Restrict an attention mask to keys less than ``window`` positions behind each query (vLLM's and speculators'
-    rule: key position > query position - window; the query itself is always inside).
-
-    Args:
-        attention_mask (`torch.Tensor` or `None`): bool (True = attend) or additive float mask [..., n, past + n];
-            ``None`` means causal.
-        query_positions (`torch.LongTensor` [n]): positions of the queries.
-        key_positions (`torch.LongTensor` [past + n]): positions of the keys.
-        window (`int`): the sliding window.
-        past (`int`): keys cached before the queries.
-
-    Returns:
-        The combined mask (bool, or float when ``attention_mask`` was float).
-    """
-    inside = key_positions[None, :] > query_positions[:, None] - window
-    if attention_mask is None:
-        n = query_positions.shape[0]
-        idx = torch.arange(past + n, device=inside.device)[None, :]
-        return inside & (idx <= torch.arange(past, past + n, device=inside.device)[:, None])
-    if attention_mask.dtype == torch.bool:
-        return attention_mask & inside
-    return attention_mask.masked_fill(~inside, float("-inf"))
-
-
-class Eagle3Attention(nn.Module):
-    """Self-attention of the draft layer; its q/k/v projections read ``cat(embedding, hidden)`` (width 2H).
-
-    Args:
-        config (`Eagle3Config`): sizes, biases, ``qk_norm`` and ``draft_sliding_window``.
-    """
-
-    def __init__(self, config: Eagle3Config):
-        super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
-        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.attention_bias)
-        self.sliding_window = config.draft_sliding_window
-        if config.qk_norm:
-            self.q_norm = Eagle3RMSNorm(d, config.rms_norm_eps)
-            self.k_norm = Eagle3RMSNorm(d, config.rms_norm_eps)
-
-    def forward(self, x, cos, sin, cache: Eagle3KVCache | None = None, attention_mask=None, positions=None):
-        """
-        Attend the new positions over the cache plus themselves.
-
-        Args:
-            x (`torch.Tensor` [B, n, 2H]): ``cat(norm(embedding), norm(hidden))`` of the new positions.
-            cos, sin (`torch.Tensor` [B, 1, n, rotary_dim]): RoPE of their positions.
-            cache (`Eagle3KVCache`, *optional*): updated in place with the new keys and values.
-            attention_mask (`torch.Tensor`, *optional*): bool [n, past + n] (True = attend) or an additive float
-                mask; ``None`` means causal.
-            positions (`torch.LongTensor` [n], *optional*): positions of the new tokens; needed by a sliding-window
-                draft (default: continuing the cache).
-
-        Returns:
-            `torch.Tensor` [B, n, H].
-        """
-        b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        if cache is not None and hasattr(cache, "attend"):  # structured attention (training-time test)
-            if self.sliding_window is not None:
-                raise ValueError("Training a sliding-window draft is not supported (the training-time-test attention "
-                                 "has no window): set `draft_sliding_window = None` to train a full-attention draft.")
-            out = cache.attend(q, k, v)
-            return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
-        past = cache.get_seq_length() if cache is not None else 0
-        window = self.sliding_window
-        if window is not None and positions is None:
-            positions = torch.arange(past, past + n, device=x.device)
-        if cache is not None:
-            k, v = cache.update(k, v) if window is None else cache.update(k, v, positions)
-        if window is not None and past + n > window:  # some key may lie outside the window
-            keys_at = cache.key_positions() if cache is not None else positions
-            attention_mask = sliding_window_mask(attention_mask, positions, keys_at, window, past)
-        elif attention_mask is None and n > 1:
-            qpos = torch.arange(past, past + n, device=x.device)[:, None]
-            attention_mask = torch.arange(past + n, device=x.device)[None, :] <= qpos
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, enable_gqa=self.num_kv_heads != self.num_heads
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
-
-
-class Eagle3MLP(nn.Module):
-    """The gated MLP of Llama.
-
-    Args:
-        config (`Eagle3Config`): ``hidden_size``, ``intermediate_size``, ``hidden_act`` and ``mlp_bias``.
-    """
-
-    def __init__(self, config: Eagle3Config):
-        super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x):
-        """
-        Apply ``down(act(gate(x)) * up(x))``.
-
-        Args:
-            x (`torch.Tensor` [..., H]): the input.
-        """
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Eagle3DecoderLayer(nn.Module):
-    """The single draft layer: attention over ``cat(input_layernorm(emb), hidden_norm(h))``, then an MLP.
-
-    Args:
-        config (`Eagle3Config`): the draft's configuration (``norm_before_residual`` picks the residual).
-    """
-
-    def __init__(self, config: Eagle3Config):
-        super().__init__()
-        h = config.hidden_size
-        self.norm_before_residual = config.norm_before_residual
-        self.hidden_norm = Eagle3RMSNorm(h, config.rms_norm_eps)
-        self.input_layernorm = Eagle3RMSNorm(h, config.rms_norm_eps)
-        self.self_attn = Eagle3Attention(config)
-        self.post_attention_layernorm = Eagle3RMSNorm(h, config.rms_norm_eps)
-        self.mlp = Eagle3MLP(config)
-
-    def forward(self, embeds, hidden, cos, sin, cache=None, attention_mask=None, positions=None):
-        """
-        Return the layer's PRE-norm output hidden state [B, n, H].
-
-        Args:
-            embeds (`torch.Tensor` [B, n, H]): embeddings of the next tokens.
-            hidden (`torch.Tensor` [B, n, H]): fused target features or the previous step's output.
-            cos, sin (`torch.Tensor` [B, 1, n, head_dim]): RoPE of the positions.
-            cache (`Eagle3KVCache`, *optional*), attention_mask (`torch.Tensor`, *optional*), positions
-                (`torch.LongTensor` [n], *optional*): see :meth:`Eagle3Attention.forward`.
-        """
-        normed = self.hidden_norm(hidden)
-        residual = normed if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        hidden = residual + self.self_attn(x, cos, sin, cache, attention_mask, positions)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 @dataclass
@@ -618,11 +376,11 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if kwargs:
             raise TypeError(f"Eagle3DraftModel.from_pretrained got unexpected arguments: {sorted(kwargs)}")
         path = str(pretrained_model_name_or_path)
-        config_file = _resolve(path, "config.json", hub)
+        config_file = resolve_file(path, "config.json", hub)
         raw_cfg = read_config_file(config_file)  # a malformed file names itself and the field
         native_kwargs, layout = config_dict_to_native(raw_cfg, source=config_file)
         k_default = native_kwargs.pop("_num_assistant_tokens", None)
-        state = _load_state_dict(path, hub)
+        state = read_state_dict(path, hub)
         state = convert_state_dict(state, layout)
         if config is None:
             native_kwargs["has_embed_tokens"] = "embed_tokens.weight" in state
@@ -648,7 +406,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             model = model.to(device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         if k_default:
             model.generation_config.num_assistant_tokens = k_default
-        gen_file = _resolve(path, "generation_config.json", hub, optional=True)
+        gen_file = resolve_file(path, "generation_config.json", hub, optional=True)
         if gen_file is not None:
             gen = json.loads(open(gen_file).read())
             for key in SAVED_DRAFT_SETTINGS:
@@ -708,73 +466,3 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.load_state_dict(full, strict=True, assign=True)
         self.inv_freq = rope_inv_freq(self.config)
         self.rope_attention_scaling = rope_attention_scaling(self.config)
-
-
-def convert_state_dict(state: dict, layout: str) -> dict:
-    """
-    Rename a published checkpoint's tensors to our names (``layers.0.`` -> ``midlayer.``, prefixes dropped).
-
-    The renaming is the same for every layout; RoPE buffers stored by some checkpoints are dropped.
-
-    Args:
-        state (`dict[str, torch.Tensor]`): the checkpoint's tensors.
-        layout (`str`): what :func:`~hf_eagle3.configuration_eagle3.detect_layout` returned (informative).
-    """
-    out = {}
-    for k, v in state.items():
-        for prefix in ("model.", "eagle3.", "draft_model."):
-            if k.startswith(prefix) and not k.startswith("midlayer"):
-                k = k[len(prefix):]
-        if k.startswith("layers.0."):
-            k = "midlayer." + k[len("layers.0."):]
-        if k.startswith("midlayer.self_attn.rotary_emb") or k == "inv_freq":
-            continue
-        out[k] = v
-    return out
-
-
-def _resolve(path: str, filename: str, hub: dict, optional: bool = False):
-    sub = hub.get("subfolder") or ""
-    local = os.path.join(path, sub, filename)
-    if os.path.isdir(path):
-        if os.path.isfile(local):
-            return local
-        if optional:
-            return None
-        raise FileNotFoundError(f"{path} has no {os.path.join(sub, filename)}")
-    from transformers.utils import cached_file
-
-    return cached_file(
-        path,
-        filename,
-        _raise_exceptions_for_missing_entries=not optional,
-        _raise_exceptions_for_connection_errors=not optional,
-        **hub,
-    )
-
-
-def _load_file(file: str) -> dict:
-    if file.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return load_file(file)
-    return torch.load(file, map_location="cpu", weights_only=True)
-
-
-def _load_state_dict(path: str, hub: dict) -> dict:
-    for name in WEIGHT_FILES:
-        file = _resolve(path, name, hub, optional=True)
-        if file is not None:
-            return _load_file(file)
-    for name in INDEX_FILES:
-        index = _resolve(path, name, hub, optional=True)
-        if index is not None:
-            shards = sorted(set(json.loads(open(index).read())["weight_map"].values()))
-            state = {}
-            for shard in shards:
-                state.update(_load_file(_resolve(path, shard, hub)))
-            return state
-    raise FileNotFoundError(f"{path}: no weights found (looked for {WEIGHT_FILES + INDEX_FILES})")
-
-
-install_generate_hook()

@@ -13,7 +13,7 @@ import time
 import torch
 
 from hf_eagle3.candidate_generator import Eagle3CandidateGenerator
-from hf_eagle3.tree_decoding import Eagle3TreeDrafter
+from hf_eagle3.tree_drafter import Eagle3TreeDrafter
 
 
 PROFILES = {
@@ -112,7 +112,7 @@ class OracleCandidateGenerator(Eagle3CandidateGenerator):
 
 class OracleTreeDrafter(Eagle3TreeDrafter):
     """
-    :class:`~hf_eagle3.tree_decoding.Eagle3TreeDrafter` whose trees carry the target's greedy continuation along one
+    :class:`~hf_eagle3.tree_drafter.Eagle3TreeDrafter` whose trees carry the target's greedy continuation along one
     path (to the tree's first deepest node), right for a depth drawn each round from ``profile``; every other node is
     wrong.
     So a tree accepts what a chain with the same profile accepts, at the tree's own cost (its drafting and its
@@ -138,7 +138,7 @@ class OracleTreeDrafter(Eagle3TreeDrafter):
         self.draft_seconds += time.perf_counter() - start
         return out
 
-    def feed(self, features, tokens):
+    def feed(self, features=None, tokens=None):
         """Feed as usual (timed)."""
         return self._timed(super().feed, features, tokens)
 

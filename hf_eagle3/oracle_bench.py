@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import hf_eagle3
-from hf_eagle3.candidate_generator import use_drafting
+from hf_eagle3.generate_hook import use_drafting
 from hf_eagle3.cost_model import measure_costs
 from hf_eagle3.oracle import OracleCandidateGenerator, OracleTreeDrafter, bind_oracle, expected_tokens, parse_profile
 from hf_eagle3.synthetic import synthetic_target
@@ -318,14 +318,8 @@ def oracle_command(args) -> int:
     Returns:
         0, or 1 when an output differs from plain ``generate``.
     """
-    from hf_eagle3.bench import (
-        encode_prompt,
-        load_draft,
-        load_prompts,
-        load_target,
-        parse_tree_shapes,
-        random_draft_for,
-    )
+    from hf_eagle3.bench_strategies import parse_tree_shapes
+    from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target, random_draft_for
 
     profile = parse_profile(args.oracle)
     ks = [int(k) for k in (args.ks or "1,2,3,4,5,6,7").split(",") if k.strip()]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import tiny_draft, tiny_target
 
-from hf_eagle3 import bench, cli
+from hf_eagle3 import bench, bench_report, bench_strategies, cli, cost_model, loading
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,14 +38,14 @@ def write_prompts(path: Path) -> Path:
 
 def test_load_prompts_mt_bench_layout(tmp_path):
     path = write_prompts(tmp_path / "question.jsonl")
-    assert bench.load_prompts(path, 2) == ["hello there, tell me a story", "abc abc abc abc"]
-    assert bench.load_prompts(None, 3) == bench.BUILTIN_PROMPTS[:3]
+    assert loading.load_prompts(path, 2) == ["hello there, tell me a story", "abc abc abc abc"]
+    assert loading.load_prompts(None, 3) == loading.BUILTIN_PROMPTS[:3]
 
 
 def test_run_bench_tiny(tmp_path):
     target = tiny_target("llama")
     draft = tiny_draft(target)
-    prompts = bench.load_prompts(write_prompts(tmp_path / "question.jsonl"), 2)
+    prompts = loading.load_prompts(write_prompts(tmp_path / "question.jsonl"), 2)
     out_dir = tmp_path / "out"
     report = bench.run_bench(target, draft, ByteTokenizer(), prompts, max_new_tokens=6, ks=(1, 2), temperature=0.8,
                              out_dir=out_dir, meta={"target": "tiny", "draft": "tiny"}, progress=False)
@@ -55,7 +55,7 @@ def test_run_bench_tiny(tmp_path):
     assert list(report["target_forward_ms"]) == ["1", "2", "4", "8", "16", "32"]
     assert all(ms > 0 for ms in report["target_forward_ms"].values())
     names = [r["strategy"] for r in report["results"]]
-    trees = [f"eagle3-tree k={a} d={b} n={c}" for a, b, c in bench.TREE_SHAPES]
+    trees = [f"eagle3-tree k={a} d={b} n={c}" for a, b, c in bench_strategies.TREE_SHAPES]
     assert names == ["plain", "prompt-lookup", "eagle3-chain k=1", "eagle3-chain k=2", "eagle3-chain auto k<=2",
                      *trees] * 2
     per_mode = len(names) // 2
@@ -98,30 +98,30 @@ def test_greedy_mismatch_is_reported():
         "greedy_compared": {"prompts": 1, "strategies": ["x"]},
         "greedy_mismatches": [{"strategy": "x", "prompt_index": 0, "first_difference": 2}],
     }
-    assert "**NO**" in bench.format_markdown(report)
+    assert "**NO**" in bench_report.format_markdown(report)
     assert bench._first_difference([1, 2, 3], [1, 2, 4]) == 2
     assert bench._first_difference([1, 2], [1, 2, 3]) == 2
 
 
 def test_strategy_registry_is_extensible():
-    @bench.register_strategy("test_family")
+    @bench_strategies.register_strategy("test_family")
     def factory(ks, **options):
-        return [bench.Strategy(name="test k=2", family="test_family", k=2)]
+        return [bench_strategies.Strategy(name="test k=2", family="test_family", k=2)]
 
     try:
-        strategies = bench.build_strategies([1, 5], families=["test_family"])
+        strategies = bench_strategies.build_strategies([1, 5], families=["test_family"])
         assert [s.name for s in strategies] == ["plain", "test k=2"]
-        all_names = [s.name for s in bench.build_strategies([4], prompt_lookup_num_tokens=3)]
+        all_names = [s.name for s in bench_strategies.build_strategies([4], prompt_lookup_num_tokens=3)]
         assert all_names[:3] == ["plain", "prompt-lookup", "eagle3-chain k=4"]
         with pytest.raises(ValueError, match="unknown strategies"):
-            bench.build_strategies([1], families=["nope"])
+            bench_strategies.build_strategies([1], families=["nope"])
     finally:
-        del bench.STRATEGIES["test_family"]
+        del bench_strategies.STRATEGIES["test_family"]
 
 
 def test_random_draft_fits_target():
     target = tiny_target("llama")
-    draft = bench.random_draft_for(target)
+    draft = loading.random_draft_for(target)
     assert draft.config.vocab_size == draft.config.draft_vocab_size == 256
     assert draft.config.target_hidden_size == 64
     assert torch.equal(draft.d2t, torch.zeros(256, dtype=torch.long))
@@ -132,7 +132,7 @@ def test_random_draft_fits_target():
 
 
 def test_shipped_draft_path_is_in_repo():
-    assert bench.shipped_draft_path() == REPO / "examples" / "drafts" / "smollm2-135m-eagle3"
+    assert loading.shipped_draft_path() == REPO / "examples" / "drafts" / "smollm2-135m-eagle3"
 
 
 def test_cli_parsing(capsys):
@@ -182,7 +182,7 @@ def test_target_forward_costs_restore_the_cache():
 
     hook = target.model.layers[0].register_forward_pre_hook(before, with_kwargs=True)
     try:
-        costs = bench.measure_target_seconds(target, ids, sizes=(1, 3), repeats=2)
+        costs = cost_model.measure_target_seconds(target, ids, sizes=(1, 3), repeats=2)
     finally:
         hook.remove()
     assert sorted(costs) == [1, 3] and all(t > 0 for t in costs.values())
@@ -191,10 +191,10 @@ def test_target_forward_costs_restore_the_cache():
 
 
 def test_parse_tree_shapes():
-    assert bench.parse_tree_shapes("4x4x8, 2x3xAUTO") == ((4, 4, 8), (2, 3, "auto"))
+    assert bench_strategies.parse_tree_shapes("4x4x8, 2x3xAUTO") == ((4, 4, 8), (2, 3, "auto"))
     for bad in ["4x4", "4x4x8x1", "ax4x8", "0x4x8", "4x4x0", ","]:
         with pytest.raises(ValueError, match="tree shape|empty"):
-            bench.parse_tree_shapes(bad)
+            bench_strategies.parse_tree_shapes(bad)
     args = cli.build_parser().parse_args(["bench", "--tree-shapes", "2x2x3"])
     assert args.tree_shapes == "2x2x3"
 
@@ -220,7 +220,7 @@ def test_example_acceptance_by_category(tmp_path):
     data.write_text('{"category": "math", "turns": ["a"]}\n\n{"category": "coding", "turns": ["b"]}\n'
                     '{"turns": ["c"]}\n{"category": "math", "turns": ["d"]}\n')
     categories = example.load_categories(str(data))
-    assert categories == ["math", "coding", None, "math"] and len(categories) == len(bench.load_prompts(str(data)))
+    assert categories == ["math", "coding", None, "math"] and len(categories) == len(loading.load_prompts(str(data)))
     assert example.load_categories(None) == []
     one = Eagle3Stats(num_drafts=2, drafted_per_position=[2, 2], accepted_per_position=[2, 1])  # 1 + 3/2
     two = Eagle3Stats(num_drafts=2, drafted_per_position=[2, 1], accepted_per_position=[0, 0])  # 1

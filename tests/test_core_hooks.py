@@ -196,7 +196,7 @@ def test_accelerate_device_map(placement, tmp_path):
 def test_hook_is_installed_on_import():
     assert hf_eagle3.is_eagle3_draft(tiny_draft(target()))
     assert not hf_eagle3.is_eagle3_draft(tiny_hf_assistant())
-    assert getattr(GenerationMixin.generate, "_hf_eagle3_hook", None) == hf_eagle3.candidate_generator.HOOK_VERSION
+    assert getattr(GenerationMixin.generate, "_hf_eagle3_hook", None) == hf_eagle3.generate_hook.HOOK_VERSION
 
 
 def test_inputs_embeds_need_input_ids():

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from hf_eagle3.bench import random_draft_for
+from hf_eagle3.loading import random_draft_for
 from hf_eagle3.cli import main
 from hf_eagle3.cost_model import Eagle3Costs
 from hf_eagle3.oracle import PROFILES, draw_acceptance, expected_tokens, parse_profile

@@ -29,9 +29,13 @@ from conftest import (
 from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
 
-import hf_eagle3.tree_decoding as td
+import hf_eagle3.acceptance as acceptance
+import hf_eagle3.target_cache as target_cache
+import hf_eagle3.tree_drafter as tree_drafter
+import hf_eagle3.tree_policy as tree_policy
 from hf_eagle3 import cost_model
-from hf_eagle3.candidate_generator import _ACTIVE
+from hf_eagle3.draft_state import Eagle3DraftState
+from hf_eagle3.generate_hook import _ACTIVE
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
 SHAPES = [(1, 1, 1), (1, 4, 4), (2, 3, 1), (4, 4, 8), (3, 3, 12)]  # (top_k, depth, total_tokens)
@@ -114,7 +118,7 @@ def test_tree_expansion_matches_sequential_draft_steps():
     target = target_of("llama")
     draft = tiny_draft(target, 48, seed=4)
     draft.bind_target(target)
-    drafter = td.Eagle3TreeDrafter(draft)
+    drafter = tree_drafter.Eagle3TreeDrafter(draft)
     torch.manual_seed(0)
     with torch.no_grad():
         drafter.feed(torch.randn(1, 7, 3 * 64), prompt(7)[0])
@@ -205,12 +209,12 @@ def test_settings_from_draft_generation_config_and_auto():
     from hf_eagle3 import cost_model
 
     measured = cost_model._TARGET_SECONDS[target]
-    assert any(key[-1] == td.AUTO_SIZES for key in measured), "auto measured the target's forward cost"
+    assert any(key[-1] == tree_policy.AUTO_SIZES for key in measured), "auto measured the target's forward cost"
     assert draft.last_stats.mean_acceptance_length > 1.5
 
 
 def test_size_chooser():
-    chooser = td.TreeSizeChooser({1: 1.0, 8: 1.0, 16: 1.2, 64: 3.0})
+    chooser = tree_policy.TreeSizeChooser({1: 1.0, 8: 1.0, 16: 1.2, 64: 3.0})
     assert chooser.target_seconds(4) == 1.0 and chooser.target_seconds(12) == pytest.approx(1.1)
     assert chooser.choose([0.9] * 7 + [0.01] * 60) == 7  # up to 8 inputs cost the same; more only pays if accepted
     assert chooser.choose([0.95] * 40) > 7
@@ -219,14 +223,14 @@ def test_size_chooser():
 
 
 def test_size_chooser_drafts_nothing_while_trees_do_not_pay():
-    chooser = td.TreeSizeChooser({1: 0.04, 64: 0.08})
-    for _ in range(td.MIN_ROUNDS_BEFORE_SKIPPING):
+    chooser = tree_policy.TreeSizeChooser({1: 0.04, 64: 0.08})
+    for _ in range(tree_policy.MIN_ROUNDS_BEFORE_SKIPPING):
         assert chooser.draft_this_round()  # too little measured yet
         chooser.update(predicted=1.0, accepted=0, draft_seconds=0.02, round_seconds=0.08)  # 1 token in 80 ms
     decisions = [chooser.draft_this_round() for _ in range(20)]  # a plain step: 1 token in 40 ms
     assert decisions[: cost_model.PROBE_EVERY - 1] == [False] * (cost_model.PROBE_EVERY - 1)
     assert decisions[cost_model.PROBE_EVERY - 1]  # a probe
-    chooser = td.TreeSizeChooser({1: 0.04, 64: 0.08})
+    chooser = tree_policy.TreeSizeChooser({1: 0.04, 64: 0.08})
     for _ in range(5):
         chooser.update(predicted=3.0, accepted=3, draft_seconds=0.02, round_seconds=0.08)  # 4 tokens in 80 ms
         chooser.update_plain(0.04)
@@ -241,12 +245,10 @@ def test_auto_tree_rounds_without_a_tree_stay_lossless(arch, monkeypatch):
     ref = greedy(target, ids, max_new_tokens=24)
     draft = oracle(tiny_draft(target, seed=8), ref[0].tolist())
     pattern = iter([True, False, False, True, False, True, True, False, False, False] * 5)
-    monkeypatch.setattr(td.TreeSizeChooser, "draft_this_round", lambda self: next(pattern))
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: next(pattern))
     fed = []
-    original_feed = td.Eagle3TreeDrafter.feed
-    monkeypatch.setattr(td.Eagle3TreeDrafter, "feed",
-                        lambda self, features, tokens: fed.append((features, tokens)) or original_feed(self, features,
-                                                                                                     tokens))
+    original_feed = Eagle3DraftState.feed
+    monkeypatch.setattr(Eagle3DraftState, "feed", lambda self: fed.append(self.pending()) or original_feed(self))
     out = greedy(target, ids, max_new_tokens=24, assistant_model=draft, tree_top_k=3, tree_depth=4,
                  tree_total_tokens="auto")
     assert torch.equal(out, ref)
@@ -269,7 +271,7 @@ def test_auto_tree_rounds_without_a_tree_stay_lossless(arch, monkeypatch):
 
 
 def test_size_chooser_stops_expanding_when_a_level_cannot_pay():
-    chooser = td.TreeSizeChooser({1: 0.04, 64: 0.08})
+    chooser = tree_policy.TreeSizeChooser({1: 0.04, 64: 0.08})
     assert chooser.should_expand(torch.log(torch.tensor([0.001])))  # nothing measured yet: expand
     # 10 rounds of 0.05 s each (0.01 s drafting with 2 forwards), 1 accepted token per round: 40 tokens/s.
     for _ in range(10):
@@ -353,12 +355,12 @@ def test_gather_cache_keeps_the_selected_entries():
         before = [layer.keys.clone() for layer in cache.layers]
         target(prompt(6, seed=1), use_cache=True, **{key: cache})
         after = [layer.keys.clone() for layer in cache.layers]
-    td.gather_cache(cache, torch.tensor([0, 2, 5]), 6)
+    target_cache.gather_cache(cache, torch.tensor([0, 2, 5]), 6)
     assert cache.get_seq_length() == 23
     for layer, b, a in zip(cache.layers, before, after):
         keep = a[..., [-6, -4, -1], :]
         expected = torch.cat([b, keep], dim=-2)
-        if td._sliding_layer(layer):
+        if target_cache.sliding_layer(layer):
             expected = expected[..., -(layer.sliding_window - 1):, :]
         torch.testing.assert_close(layer.keys, expected, rtol=0, atol=0)
 
@@ -398,7 +400,7 @@ def test_sampling_with_auto_size_and_depth_keeps_target_distribution():
 def test_sampling_with_rounds_without_a_tree_keeps_target_distribution(monkeypatch):
     """Rounds that draft no tree (the root alone is verified, the feed waits) between rounds with one: exact too."""
     pattern = iter([False, True, False, False, True] * 2000)
-    monkeypatch.setattr(td.TreeSizeChooser, "draft_this_round", lambda self: next(pattern))
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: next(pattern))
     samples, accepted = tree_samples(500, seed=6000, shape=tree(4, 4, "auto"))
     assert accepted > 0.1, "some rounds must draft and be accepted"
     p = token_p_values(samples, plain_samples())
@@ -419,7 +421,7 @@ def _broken_residual(probs, child_tokens):
 
 
 def test_negative_control_detects_broken_acceptance(monkeypatch):
-    monkeypatch.setattr(td, "sample_among_children", _broken_residual)
+    monkeypatch.setattr(acceptance, "sample_among_children", _broken_residual)
     samples, _ = tree_samples(500, seed=5000)
     p = token_p_values(samples, plain_samples())
     assert min(p.values()) < ALPHA / 2, p
@@ -431,7 +433,7 @@ CHAT = ["Write a haiku about autumn.", "Give me two tips for learning Python."]
 
 @pytest.mark.slow
 def test_smollm2_greedy_identity(smollm2):
-    from hf_eagle3.bench import encode_prompt, load_draft, random_draft_for
+    from hf_eagle3.loading import encode_prompt, load_draft, random_draft_for
 
     target, tokenizer = smollm2
     draft, _, _ = load_draft(None, target)
@@ -454,14 +456,14 @@ def test_auto_cuts_levels_that_cannot_pay_and_stays_lossless(monkeypatch):
     ids = prompt(9, seed=11)
     ref = greedy(target, ids, max_new_tokens=24)
     levels = []
-    expand = td.Eagle3TreeDrafter.expand
+    expand = tree_drafter.Eagle3TreeDrafter.expand
 
     def recording(self, depth, top_k, should_expand=None):
         out = expand(self, depth, top_k, should_expand)
         levels.append(out[4])
         return out
 
-    monkeypatch.setattr(td.Eagle3TreeDrafter, "expand", recording)
+    monkeypatch.setattr(tree_drafter.Eagle3TreeDrafter, "expand", recording)
     out = greedy(target, ids, max_new_tokens=24, assistant_model=tiny_draft(target, seed=12), **tree(3, 5, "auto"))
     assert torch.equal(out, ref)
     assert levels[0] == 5 and min(levels) < 5  # the first round expands fully (nothing measured), later ones stop

@@ -31,7 +31,7 @@ from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 from hf_eagle3 import Eagle3CandidateGenerator, Eagle3Config, Eagle3DraftModel, Eagle3FeatureCapture
 from hf_eagle3.configuration_eagle3 import DraftConfigError, config_dict_to_native
 from hf_eagle3.export import export_flat, export_speculators
-from hf_eagle3.modeling_eagle3 import Eagle3KVCache
+from hf_eagle3.draft_cache import Eagle3KVCache
 
 V, T = 256, 64
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "examples" / "drafts" / "smollm2-135m-eagle3"

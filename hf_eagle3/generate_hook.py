@@ -1,0 +1,228 @@
+"""The one place that hooks Transformers' ``generate``: while an EAGLE-3 draft is the ``assistant_model`` of a call,
+``generate`` installs the feature capture on the target, ``_get_candidate_generator`` returns the chain drafter
+(:class:`~hf_eagle3.candidate_generator.Eagle3CandidateGenerator`) and ``_assisted_decoding`` runs the tree loop
+(:func:`~hf_eagle3.tree_decoding.eagle3_tree_decoding`) when ``tree_*`` settings are given (see
+:func:`route_assisted_decoding`). Every other call of ``generate`` is left exactly as it was.
+
+:func:`install_generate_hook` installs the three patches (idempotent); the package's ``__init__`` calls it, and so
+does ``auto_entry.py``, the module a remote-code bundle's ``AutoModel`` loads.
+
+Core file (part of a remote-code bundle): imports only torch/transformers and other core files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers.generation import utils as _gen_utils
+
+from .candidate_generator import Eagle3CandidateGenerator
+from .feature_capture import Eagle3FeatureCapture, find_decoder_layers
+from .settings import pop_tree_settings, resolve_draft_settings, user_draft_settings
+from .tree_decoding import eagle3_tree_decoding
+from .tree_drafter import Eagle3TreeDrafter
+
+HOOK_VERSION = 1
+HOOKED_METHODS = ("generate", "_get_candidate_generator", "_assisted_decoding")
+
+
+def is_eagle3_draft(model) -> bool:
+    """
+    Whether ``model`` is an EAGLE-3 draft (from this package or a remote-code copy of it).
+
+    Args:
+        model (`object`): any object, typically the ``assistant_model`` passed to ``generate``.
+    """
+    return bool(getattr(type(model), "_is_eagle3_draft", False))
+
+
+@dataclass
+class _Eagle3Call:
+    """The state of one EAGLE-3 ``generate`` call: the draft, the capture on the target, the user's draft-length
+    settings, the tree settings (``None``: chain drafting), and the drafter created for it (``finish``-ed at the end).
+    """
+
+    draft: object
+    capture: object
+    settings: dict
+    generator: object = None  # the call's chain generator or tree run; its finish() publishes the statistics
+    tree: dict | None = None  # tree settings (see settings.pop_tree_settings); None = chain drafting
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_active_call", default=None)
+
+
+# The drafter classes of this context (None: the defaults); set by `use_drafting`.
+_GENERATOR_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_generator_class", default=None)
+_TREE_DRAFTER_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_tree_drafter_class", default=None)
+
+
+@contextlib.contextmanager
+def use_drafting(chain=None, tree=None):
+    """
+    Within the block, EAGLE-3 calls of ``generate`` draft with ``chain`` (a subclass of
+    :class:`Eagle3CandidateGenerator` taking the same arguments) and/or ``tree`` (a subclass of
+    :class:`~hf_eagle3.tree_drafter.Eagle3TreeDrafter`) instead of the defaults: how benchmarks swap in instrumented
+    drafting (e.g. ``hf-eagle3 bench --oracle``) without another code path.
+
+    Args:
+        chain (`type`, *optional*): the chain candidate generator class.
+        tree (`type`, *optional*): the tree drafter class.
+    """
+    tokens = [(_GENERATOR_CLASS, _GENERATOR_CLASS.set(chain)), (_TREE_DRAFTER_CLASS, _TREE_DRAFTER_CLASS.set(tree))]
+    try:
+        yield
+    finally:
+        for var, token in reversed(tokens):
+            var.reset(token)
+
+
+def _batch_size(args, kwargs) -> int | None:
+    """The batch size of ``generate``'s prompt (ids, ``inputs`` or embeddings), ``None`` when none is a tensor."""
+    for value in list(args[:1]) + [kwargs.get("input_ids"), kwargs.get("inputs"), kwargs.get("inputs_embeds")]:
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return value.shape[0]
+    return None
+
+
+def _eagle3_generate(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        draft = kwargs.get("assistant_model")
+        if draft is None or not is_eagle3_draft(draft) or _ACTIVE.get() is not None:
+            return original(self, *args, **kwargs)
+        batch = _batch_size(args, kwargs)
+        if batch is not None and batch != 1:
+            raise ValueError(
+                f"EAGLE-3 decoding through `generate(assistant_model=draft)` handles one sequence at a time, got a "
+                f"batch of {batch}. Loop over the prompts (or call generate without the draft for batches)."
+            )
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if kwargs.get("inputs_embeds") is not None and not isinstance(ids, torch.Tensor):
+            raise ValueError(
+                "EAGLE-3 decoding needs the prompt's token ids (the draft pairs each target feature with the next "
+                "token): pass `input_ids` too (the target still reads `inputs_embeds` for the prompt)."
+            )
+        if kwargs.get("prompt_lookup_num_tokens") is not None:
+            raise ValueError("Pass either `assistant_model` (an EAGLE-3 draft) or `prompt_lookup_num_tokens`, not both.")
+        tree = pop_tree_settings(self, draft, kwargs)  # removes the tree_* kwargs; validates before any work
+        draft.bind_target(self)
+        layers = find_decoder_layers(self, draft.config.target_layers_path)
+        layer_ids = draft.config.resolve_feature_layer_ids(len(layers))
+        capture = Eagle3FeatureCapture(self, layer_ids, draft.config.target_layers_path)
+        call = _Eagle3Call(draft=draft, capture=capture, settings=user_draft_settings(kwargs), tree=tree)
+        token = _ACTIVE.set(call)
+        capture.install()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            capture.remove()
+            _ACTIVE.reset(token)
+            if call.generator is not None:
+                call.generator.finish()
+
+    generate._hf_eagle3_hook = HOOK_VERSION
+    return generate
+
+
+def _eagle3_get_candidate_generator(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _get_candidate_generator(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        assistant = bound.arguments.get("assistant_model")
+        call = _ACTIVE.get()
+        if assistant is None or not is_eagle3_draft(assistant):
+            return original(self, *args, **kwargs)
+        if call is None or call.draft is not assistant:
+            raise RuntimeError("EAGLE-3 drafts must be used through `target.generate(..., assistant_model=draft)`.")
+        generation_config = bound.arguments["generation_config"]
+        settings = resolve_draft_settings(assistant.generation_config, call.settings)
+        generator_class = _GENERATOR_CLASS.get() or Eagle3CandidateGenerator
+        call.generator = generator_class(
+            assistant,
+            call.capture,
+            bound.arguments["input_ids"],
+            generation_config,
+            bound.arguments.get("logits_processor"),
+            num_assistant_tokens=settings.get("num_assistant_tokens", 5),
+            num_assistant_tokens_schedule=settings.get("num_assistant_tokens_schedule", "constant"),
+            assistant_confidence_threshold=settings.get("assistant_confidence_threshold", 0.0),
+            target=self,
+        )
+        return call.generator
+
+    _get_candidate_generator._hf_eagle3_hook = HOOK_VERSION
+    return _get_candidate_generator
+
+
+def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
+    """
+    Which loop runs the assisted decoding of a ``generate`` call: the EAGLE-3 tree loop while an EAGLE-3 call with
+    tree settings is active, else Transformers' own loop (EAGLE-3 chain drafting runs there, through the candidate
+    generator).
+
+    Args:
+        model (`PreTrainedModel`): the target.
+        original (`Callable`): Transformers' ``GenerationMixin._assisted_decoding``.
+        args (`tuple`): its positional arguments (after ``self``).
+        kwargs (`dict`): its keyword arguments.
+    """
+    call = _ACTIVE.get()
+    if call is None or getattr(call, "tree", None) is None:
+        return original(model, *args, **kwargs)
+    drafter_class = _TREE_DRAFTER_CLASS.get() or Eagle3TreeDrafter
+    return eagle3_tree_decoding(model, call, *args, drafter_class=drafter_class, **kwargs)
+
+
+def _eagle3_assisted_decoding(original):
+    @functools.wraps(original)
+    def _assisted_decoding(self, *args, **kwargs):
+        return route_assisted_decoding(self, original, args, kwargs)
+
+    _assisted_decoding._hf_eagle3_hook = HOOK_VERSION
+    return _assisted_decoding
+
+
+def _hooked(fn) -> bool:
+    """Whether ``fn`` is a patch of ours (from this copy of the package or another: a remote-code bundle)."""
+    return getattr(fn, "_hf_eagle3_hook", None) is not None or getattr(fn, "_hf_eagle3_tree_hook", None) is not None
+
+
+def install_generate_hook() -> None:
+    """Make ``generate(assistant_model=<EAGLE-3 draft>)`` run EAGLE-3 decoding (idempotent).
+
+    Patches ``GenerationMixin.generate`` (capture, settings, per-call state), ``_get_candidate_generator`` (chain
+    drafting: :class:`Eagle3CandidateGenerator`) and ``_assisted_decoding`` (:func:`route_assisted_decoding`: the
+    tree loop when ``tree_*`` settings are given). Every other call of ``generate`` is left exactly as it was.
+    Raises ``RuntimeError`` on a Transformers version whose generation internals this hook does not know.
+    """
+    mixin = _gen_utils.GenerationMixin
+    missing = [name for name in HOOKED_METHODS if not hasattr(mixin, name)]
+    if missing:
+        import transformers
+
+        raise RuntimeError(
+            f"hf_eagle3 cannot hook transformers {transformers.__version__}: GenerationMixin lacks {missing}. "
+            "Install a supported version (see hf_eagle3's pyproject.toml, transformers>=5.0)."
+        )
+    params = inspect.signature(mixin._get_candidate_generator).parameters
+    if not {"generation_config", "input_ids", "logits_processor", "assistant_model"} <= set(params):
+        import transformers
+
+        raise RuntimeError(
+            f"hf_eagle3 cannot hook transformers {transformers.__version__}: unexpected signature of "
+            "GenerationMixin._get_candidate_generator. Install a supported version (see pyproject.toml)."
+        )
+    if not _hooked(mixin.generate):
+        mixin.generate = _eagle3_generate(mixin.generate)
+    if not _hooked(mixin._get_candidate_generator):
+        mixin._get_candidate_generator = _eagle3_get_candidate_generator(mixin._get_candidate_generator)
+    if not _hooked(mixin._assisted_decoding):
+        mixin._assisted_decoding = _eagle3_assisted_decoding(mixin._assisted_decoding)

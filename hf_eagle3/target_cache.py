@@ -1,0 +1,117 @@
+"""The target's KV cache during tree decoding: which caches a tree round can roll back, the gather that keeps only the
+accepted path, and the 4D attention masks of a tree forward (each node sees the cached prefix and its ancestors).
+
+Core file (part of a remote-code bundle): imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+try:  # sliding-window layers of hybrid models (Gemma 3, Mistral with a window, ...)
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+except ImportError:  # pragma: no cover - older Transformers
+    DynamicSlidingWindowLayer = None
+
+
+def sliding_layer(layer) -> bool:
+    """Whether ``layer`` is a sliding-window layer of a ``DynamicCache``."""
+    return DynamicSlidingWindowLayer is not None and type(layer) is DynamicSlidingWindowLayer
+
+
+def check_tree_cache(cache) -> None:
+    """
+    Raise ``ValueError`` unless every layer of ``cache`` is one whose entries :func:`gather_cache` can select.
+
+    Args:
+        cache (`Cache`): the target's KV cache of this ``generate`` call.
+    """
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(
+            f"EAGLE-3 tree decoding keeps the accepted path of the target's KV cache with a gather, implemented for "
+            f"DynamicCache (full and sliding-window layers); got {type(cache).__name__}. Use the default cache "
+            "(no cache_implementation), or drop the tree_* settings to use chain drafting."
+        )
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer and not sliding_layer(layer):
+            raise ValueError(
+                f"EAGLE-3 tree decoding cannot gather cache layer {i} of type {type(layer).__name__} (supported: "
+                "DynamicLayer, DynamicSlidingWindowLayer). Drop the tree_* settings to use chain drafting."
+            )
+
+
+def gather_cache(cache, keep: torch.LongTensor, num_new: int) -> None:
+    """Keep, of the last ``num_new`` entries of every layer of ``cache``, only those at indices ``keep`` (in order).
+
+    Entries before the last ``num_new`` are untouched. Sliding-window layers are then shrunk back to their window,
+    as ``crop`` does after a chain round.
+
+    Args:
+        cache (`DynamicCache`): the target's cache right after a forward of ``num_new`` tokens.
+        keep (`torch.LongTensor`): indices in ``[0, num_new)`` to keep (may be empty).
+        num_new (`int`): tokens of that forward.
+    """
+    check_tree_cache(cache)
+    for layer in cache.layers:
+        if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
+            continue  # e.g. layers that share another layer's KV
+        start = layer.keys.shape[-2] - num_new
+        end = start + keep.numel()
+        index = keep.to(layer.keys.device) + start
+        # Move the kept entries to the front of the new block in place, then drop the rest (no copy of the prefix).
+        layer.keys[..., start:end, :] = layer.keys.index_select(-2, index)
+        layer.values[..., start:end, :] = layer.values.index_select(-2, index)
+        layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+        if sliding_layer(layer):
+            layer.cumulative_length += keep.numel() - num_new
+            layer.crop(0)  # back to `sliding_window - 1` entries once past the window
+
+
+def tree_attention_mask(cache, ancestors: torch.BoolTensor, depths: torch.LongTensor, prefix_allowed, dtype):
+    """The 4D additive masks of a tree forward: each node sees the cached prefix and its ancestors (itself included).
+
+    Sliding-window layers also hide the prefix entries outside the window. Built from each layer's
+    ``get_mask_sizes`` before the forward, so the key length matches what the layer returns.
+
+    Args:
+        cache (`DynamicCache`): the target's cache (before the forward).
+        ancestors (`torch.BoolTensor` [n, n]): ``ancestors[i, j]``: node j is node i or an ancestor of it.
+        depths (`torch.LongTensor` [n]): depth of each node (the root, the sequence's last token, is 0).
+        prefix_allowed (`torch.BoolTensor` [past] or `None`): False at padded prefix positions.
+        dtype: the target's dtype.
+
+    Returns:
+        A float tensor [1, 1, n, kv_length] (0 = attend, dtype min = masked); or, for models with both full and
+        sliding layers, ``{"full_attention": ..., "sliding_attention": ...}``.
+    """
+    n = ancestors.shape[0]
+    device = ancestors.device
+    past = cache.get_seq_length()
+    query = past + depths  # cache index of each node
+    masks = {}
+    for layer in cache.layers:
+        kind = "sliding_attention" if sliding_layer(layer) else "full_attention"
+        if kind in masks:
+            if kind == "sliding_attention" and layer.sliding_window != masks["_window"]:
+                raise ValueError("EAGLE-3 tree decoding needs one sliding window size across the target's layers.")
+            continue
+        if layer.is_initialized:
+            kv_length, kv_offset = layer.get_mask_sizes(n)
+        else:
+            kv_length, kv_offset = past + n, 0
+        columns = kv_offset + torch.arange(kv_length - n, device=device)
+        allowed_prefix = torch.ones(n, kv_length - n, dtype=torch.bool, device=device)
+        allowed_tree = ancestors
+        if prefix_allowed is not None:
+            allowed_prefix = allowed_prefix & prefix_allowed.to(device)[columns][None]
+        if kind == "sliding_attention":
+            window = layer.sliding_window
+            masks["_window"] = window
+            allowed_prefix = allowed_prefix & (columns[None] > query[:, None] - window)
+            allowed_tree = allowed_tree & (depths[:, None] - depths[None] < window)
+        allowed = torch.cat([allowed_prefix, allowed_tree], dim=-1)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        masks[kind] = mask[None, None]
+    masks.pop("_window", None)
+    return next(iter(masks.values())) if len(masks) == 1 else masks

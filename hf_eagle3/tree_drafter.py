@@ -1,0 +1,194 @@
+"""EAGLE-2-style dynamic draft trees drafted with an EAGLE-3 draft: :class:`Eagle3TreeDrafter` grows candidates
+level by level and keeps the best ones as a :class:`DraftTree`.
+
+Core file (part of a remote-code bundle): imports only torch and other core files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .draft_state import Eagle3DraftState
+from .logits_process import Eagle3D2TLogitsProcessor
+
+
+@dataclass
+class DraftTree:
+    """A draft tree, in an order where parents come before their children. Node 0 is the root: the last token of the
+    sequence (verified, not drafted).
+
+    Args:
+        tokens (`torch.LongTensor` [n]): target-vocabulary ids; ``tokens[0]`` is the root's.
+        parents (`torch.LongTensor` [n]): parent of each node (``parents[0] == 0``).
+        depths (`torch.LongTensor` [n]): depth of each node (root 0).
+        ancestors (`torch.BoolTensor` [n, n]): ``ancestors[i, j]``: j is i or an ancestor of i.
+        scores (`torch.FloatTensor` [n - 1] or `None`): cumulative draft log-probability of nodes 1..n-1 (``None``
+            for trees built without drafting: a lone root, or the chains that time the target).
+        max_depth (`int`): an upper bound of the tree's depth (the number of expansion levels used).
+    """
+
+    tokens: torch.LongTensor
+    parents: torch.LongTensor
+    depths: torch.LongTensor
+    ancestors: torch.BoolTensor
+    scores: torch.FloatTensor
+    max_depth: int
+
+    @classmethod
+    def root_only(cls, root_token: torch.LongTensor) -> "DraftTree":
+        """
+        The tree of a round that drafts nothing: the root alone (a plain target step).
+
+        Args:
+            root_token (`torch.LongTensor` [1]): the sequence's last token.
+        """
+        zero = torch.zeros(1, dtype=torch.long, device=root_token.device)
+        return cls(root_token, zero, zero, torch.ones(1, 1, dtype=torch.bool, device=root_token.device), None, 0)
+
+
+class Eagle3TreeDrafter:
+    r"""
+    Drafts EAGLE-2-style dynamic trees with an EAGLE-3 draft.
+
+    Each round the draft first consumes the verified positions' target features (:meth:`feed`), then
+    :meth:`expand` grows candidates level by level: the ``top_k`` most likely children of each of the ``top_k``
+    frontier nodes, scored by cumulative log-probability; the next frontier is the ``top_k`` best of them. All the
+    frontier nodes of one level go through the draft in one forward, each attending over the real cache and its own
+    ancestors (tree mask, depth-based positions). :meth:`select` keeps the best ``total_tokens`` candidates, a set
+    closed under parents. The draft KV entries of the tree are dropped at the next :meth:`feed`.
+
+    Args:
+        draft (`Eagle3DraftModel`): the draft, bound to the target.
+    """
+
+    def __init__(self, draft):
+        self.draft = draft
+        self.state = Eagle3DraftState(draft)  # the draft's cache, fed positions and pending verified positions
+        self.device = self.state.device
+        self.dtype = self.state.dtype
+        self.d2t = Eagle3D2TLogitsProcessor(draft.d2t, draft.config.vocab_size)
+        self._hidden = None  # pre-norm output at the last fed position [1, 1, H]
+        self._logits = None  # draft scores there [1, draft_vocab]
+
+    @property
+    def fed(self) -> int:
+        """Positions whose target features are in the draft cache."""
+        return self.state.fed
+
+    @property
+    def cache(self):
+        """The draft's KV cache (``Eagle3KVCache``)."""
+        return self.state.cache
+
+    def feed(self, features: torch.Tensor | None = None, tokens: torch.LongTensor | None = None) -> None:
+        """
+        Feed the draft the pending verified positions (:meth:`Eagle3DraftState.feed`, which drops the draft KV
+        entries of the previous tree first) and keep its output at the last one, the root of the next tree.
+
+        Args:
+            features (`torch.Tensor` [1, f, 3T], *optional*): target features of further verified positions, fed after
+                the pending ones (the tree loop collects them into :attr:`state` instead).
+            tokens (`torch.LongTensor` [f], *optional*): the token that follows each of those positions.
+        """
+        if features is not None:
+            self.state.add(features.to(device=self.device, dtype=self.dtype), tokens)
+        out = self.state.feed()
+        self._hidden, self._logits = out.hidden_states[:, -1:], out.logits[:, -1]
+
+    def expand(self, depth: int, top_k: int, should_expand=None):
+        """
+        Grow the candidates of this round for ``depth`` levels (``depth - 1`` draft forwards of ``top_k`` tokens).
+
+        Args:
+            depth (`int`): levels of the tree (>= 1).
+            top_k (`int`): children per expanded node, and frontier width (capped at the draft vocabulary).
+            should_expand (`Callable[[torch.FloatTensor], bool]`, *optional*): called before each further level with
+                the frontier's cumulative log-probabilities; ``False`` stops the expansion there (fewer levels).
+
+        Returns:
+            ``(scores, draft_ids, parents, depths, levels)``: the first four over the candidates 1..M in level order
+            (``parents`` are candidate numbers, 0 = the root); ``levels`` the number of levels (an int).
+        """
+        self.state.crop()
+        real = self.fed
+        logp = torch.log_softmax(self._logits[0].float(), dim=-1)
+        k = min(top_k, logp.shape[-1])
+        scores, ids = logp.topk(k)
+        all_scores, all_ids = [scores], [ids]
+        all_parents = [torch.zeros(k, dtype=torch.long, device=self.device)]
+        all_depths = [torch.ones(k, dtype=torch.long, device=self.device)]
+        frontier = torch.arange(1, k + 1, device=self.device)  # candidate numbers of the frontier
+        hidden = self._hidden.expand(1, k, self._hidden.shape[-1])
+        eye = torch.eye(k, dtype=torch.bool, device=self.device)
+        ancestors = torch.zeros(k, 0, dtype=torch.bool, device=self.device)  # frontier x earlier tree entries
+        base = 1 + k  # candidate number of the next level's first child
+        for level in range(1, depth):
+            if should_expand is not None and not should_expand(scores):
+                break
+            mask = torch.cat([torch.ones(k, real, dtype=torch.bool, device=self.device), ancestors, eye], dim=-1)
+            out = self.draft(
+                input_ids=self.d2t.map_tokens(ids)[None],
+                hidden_states=hidden,
+                position_ids=torch.full((1, k), real - 1 + level, device=self.device),
+                cache=self.cache,
+                attention_mask=mask,
+            )
+            child_logp, child_ids = torch.log_softmax(out.logits[0].float(), dim=-1).topk(k, dim=-1)
+            child_scores = (scores[:, None] + child_logp).flatten()
+            child_ids = child_ids.flatten()
+            all_scores.append(child_scores)
+            all_ids.append(child_ids)
+            all_parents.append(frontier.repeat_interleave(k))
+            all_depths.append(torch.full((k * k,), level + 1, dtype=torch.long, device=self.device))
+            if level == depth - 1:
+                break
+            scores, best = child_scores.topk(k)
+            slot = best // k  # parent's place in the current frontier
+            frontier, ids = base + best, child_ids[best]
+            hidden = out.hidden_states[:, slot]
+            ancestors = torch.cat([ancestors[slot], eye[slot]], dim=-1)
+            base += k * k
+        return torch.cat(all_scores), torch.cat(all_ids), torch.cat(all_parents), torch.cat(all_depths), len(all_ids)
+
+    @staticmethod
+    def ranking_key(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """
+        Ranking of candidates: the cumulative log-probability, with a tiny per-depth penalty so that a child always
+        ranks strictly below its parent (ties, and ``-inf`` scores, would otherwise break the closure under parents).
+
+        Args:
+            scores (`torch.FloatTensor` [M]): cumulative log-probabilities of the candidates.
+            depths (`torch.LongTensor` [M]): their depths.
+
+        Returns:
+            `torch.DoubleTensor` [M]: higher is better.
+        """
+        return scores.double().clamp(min=-1e6) - 1e-9 * depths.double()
+
+    def select(self, candidates, root_token: torch.LongTensor, total_tokens: int) -> DraftTree:
+        """Keep the ``total_tokens`` best candidates (closed under parents) and build the tree around the root.
+
+        Args:
+            candidates: what :meth:`expand` returned.
+            root_token (`torch.LongTensor` [1]): the sequence's last token.
+            total_tokens (`int`): nodes to keep besides the root (at most the number of candidates).
+        """
+        scores, ids, parents, depths, levels = candidates
+        key = self.ranking_key(scores, depths)
+        n = min(int(total_tokens), key.shape[0])
+        chosen = key.topk(n).indices.sort().values  # level order: parents first
+        number = torch.zeros(key.shape[0] + 1, dtype=torch.long, device=self.device)
+        number[chosen + 1] = torch.arange(1, n + 1, device=self.device)
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        tree_parents = torch.cat([zero, number[parents[chosen]]])
+        tree_depths = torch.cat([zero, depths[chosen]])
+        tokens = torch.cat([root_token.view(1).to(self.device), self.d2t.map_tokens(ids[chosen])])
+        max_depth = min(n, levels)
+        ancestors = torch.eye(n + 1, dtype=torch.bool, device=self.device)
+        rows, node = torch.arange(n + 1, device=self.device), torch.arange(n + 1, device=self.device)
+        for _ in range(max_depth):
+            node = tree_parents[node]
+            ancestors[rows, node] = True
+        return DraftTree(tokens, tree_parents, tree_depths, ancestors, scores[chosen], max_depth)

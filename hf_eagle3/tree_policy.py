@@ -1,0 +1,149 @@
+"""How big a tree to draft each round for ``tree_total_tokens="auto"``: :class:`TreeSizeChooser` weighs the expected
+accepted tokens of the draft's best candidates against the measured cost of verifying them.
+
+Core file (part of a remote-code bundle): imports only torch and other core files.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cost_model import ProbeSchedule, interpolate, smooth
+
+AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree inputs (root included) whose target forward cost "auto" measures
+AUTO_MAX_NODES = 63  # largest tree "auto" chooses (64 target inputs with the root)
+AUTO_PRIOR_WEIGHT = 2.0  # pseudo-tokens of the prior calibration 1.0 (see `TreeSizeChooser`)
+MIN_ROUNDS_BEFORE_SKIPPING = 8  # rounds with a tree measured before "auto" may decide to draft none
+SKIP_BELOW = 0.9  # draft no tree while trees make less than this fraction of a plain step's tokens per second
+SMOOTHING = 0.1  # exponential smoothing of the recent rounds' tokens and seconds
+USUAL_FEED = 8  # positions a feed covers after a round with a tree (more: a feed deferred by rounds without one)
+
+
+class TreeSizeChooser:
+    r"""
+    Chooses ``total_tokens`` each round for ``tree_total_tokens="auto"``: the size that maximises expected tokens per
+    second, ``(1 + c * sum of the path probabilities of the N best candidates) / (draft time + target time(N + 1))``.
+
+    The draft's own path probability of a node (``exp`` of its cumulative log-probability) estimates the chance that
+    the target accepts it (the calibration EAGLE-2 builds on), so the sum over the tree estimates the accepted
+    length. ``c`` corrects that estimate with the acceptance seen so far: ``(accepted + w) / (predicted + w)``, prior
+    1.0 with weight ``w`` = :data:`AUTO_PRIOR_WEIGHT` tokens. The target's forward time for 1 to 64 tokens is measured
+    once per target (and device / dtype) on the machine at hand, and interpolated linearly.
+
+    Args:
+        costs (`dict[int, float]`): seconds of a target forward of n tokens, for a few n.
+    """
+
+    def __init__(self, costs: dict):
+        self.costs = dict(costs)
+        self.accepted = 0.0
+        self.predicted = 0.0
+        self.draft_seconds = 0.0
+        self.draft_forwards = 0
+        self.round_seconds = 0.0
+        self.rounds = 0
+        self.recent_tokens = None  # smoothed tokens and seconds of the recent rounds with a tree
+        self.recent_seconds = None
+        self.plain_seconds = None  # smoothed seconds of the recent rounds without one
+        self.usual_feed = None  # smoothed seconds of feeding the draft the positions of one round
+        self.probes = ProbeSchedule()
+
+    def target_seconds(self, n: int) -> float:
+        """
+        Interpolated (linearly extrapolated beyond the largest measured size) forward time for ``n`` tokens.
+
+        Args:
+            n (`int`): tokens of the target forward (the root included).
+        """
+        return interpolate(self.costs, n)
+
+    def draft_this_round(self) -> bool:
+        """
+        Whether to draft a tree this round: while the recent rounds with a tree made clearly fewer tokens per second
+        than a plain target step would (below :data:`SKIP_BELOW` of it; the step measured, or the one-token forward
+        time before any), draft nothing but the probes of a :class:`~hf_eagle3.cost_model.ProbeSchedule`.
+        """
+        if self.rounds < MIN_ROUNDS_BEFORE_SKIPPING:
+            return True  # too little measured yet
+        plain = self.plain_seconds if self.plain_seconds is not None else self.target_seconds(1)
+        if self.recent_tokens / self.recent_seconds * plain >= SKIP_BELOW:
+            self.probes.drafting()
+            return True
+        return self.probes.probe_now()
+
+    def update_plain(self, seconds: float) -> None:
+        """
+        Record a round without a tree.
+
+        Args:
+            seconds (`float`): its wall time.
+        """
+        self.plain_seconds = smooth(self.plain_seconds, seconds, SMOOTHING)
+
+    @property
+    def calibration(self) -> float:
+        """Observed over predicted acceptance, shrunk towards 1.0."""
+        return (self.accepted + AUTO_PRIOR_WEIGHT) / (self.predicted + AUTO_PRIOR_WEIGHT)
+
+    def choose(self, path_probs: list[float]) -> int:
+        """
+        Return the number of drafted nodes N >= 1 with the most expected tokens per second.
+
+        Args:
+            path_probs (`list[float]`): the candidates' path probabilities, sorted in decreasing order.
+        """
+        best, best_rate, expected, c = 1, -1.0, 1.0, self.calibration
+        draft = self.draft_seconds / self.rounds if self.rounds else 0.0
+        for n, p in enumerate(path_probs[:AUTO_MAX_NODES], start=1):
+            expected += c * p
+            rate = expected / (draft + self.target_seconds(n + 1))
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+    def should_expand(self, frontier_logp: torch.Tensor) -> bool:
+        """
+        Whether drafting one more tree level pays for itself: the children of the frontier can add at most
+        ``c * sum(exp(frontier_logp))`` expected tokens (a child's path probability never exceeds its parent's), for
+        the cost of one draft forward; expand while that beats the tokens per second of the rounds so far.
+
+        Args:
+            frontier_logp (`torch.FloatTensor`): cumulative log-probabilities of the nodes the level would expand.
+        """
+        if not self.rounds or not self.draft_forwards or self.round_seconds <= 0:
+            return True  # nothing measured yet
+        level_seconds = self.draft_seconds / self.draft_forwards
+        rate = (self.rounds + self.accepted) / self.round_seconds  # tokens per second so far
+        gain = self.calibration * float(frontier_logp.float().exp().sum())
+        return gain > level_seconds * rate
+
+    def update(self, predicted: float, accepted: int, draft_seconds: float, draft_forwards: int = 1,
+               round_seconds: float | None = None, feed_seconds: float = 0.0, fed: int = 1) -> None:
+        """
+        Record one round.
+
+        Args:
+            predicted (`float`): the chosen tree's predicted accepted length (sum of its path probabilities).
+            accepted (`int`): drafted tokens the target accepted.
+            draft_seconds (`float`): time spent drafting the round.
+            draft_forwards (`int`): draft forwards in that time (the feed plus one per expanded level).
+            round_seconds (`float`, *optional*): the whole round (drafting and verification); default
+                ``draft_seconds``.
+            feed_seconds (`float`): the part of it spent feeding the draft.
+            fed (`int`): positions fed. A feed after rounds without a tree covers many positions at once: for the
+                decision to draft (:meth:`draft_this_round`) the round is counted with a usual feed instead.
+        """
+        seconds = draft_seconds if round_seconds is None else round_seconds
+        if fed <= USUAL_FEED:
+            self.usual_feed = smooth(self.usual_feed, feed_seconds, SMOOTHING)
+        else:  # the prompt's feed, or one deferred by rounds without a tree: counted as a usual one
+            seconds += (self.usual_feed or 0.0) - feed_seconds
+        self.predicted += predicted
+        self.accepted += accepted
+        self.draft_seconds += draft_seconds
+        self.draft_forwards += draft_forwards
+        self.round_seconds += seconds
+        self.rounds += 1
+        weight = max(SMOOTHING, 1.0 / self.rounds)  # a running mean first, then exponential smoothing
+        self.recent_tokens = smooth(self.recent_tokens, accepted + 1.0, weight)
+        self.recent_seconds = smooth(self.recent_seconds, seconds, weight)
