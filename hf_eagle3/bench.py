@@ -22,7 +22,7 @@ import torch
 import hf_eagle3
 from hf_eagle3 import Eagle3Stats
 from hf_eagle3.bench_report import format_markdown, write_outputs
-from hf_eagle3.bench_strategies import (  # noqa: F401  (Strategy, STRATEGIES, register_strategy: the bench's API)
+from hf_eagle3.bench_strategies import (
     STRATEGIES,
     TREE_SHAPES,
     Strategy,
@@ -31,7 +31,11 @@ from hf_eagle3.bench_strategies import (  # noqa: F401  (Strategy, STRATEGIES, r
     register_strategy,
 )
 from hf_eagle3.cost_model import measure_target_seconds
-from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target  # noqa: F401  (docs/cli.md)
+from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target
+
+# The bench's Python API (docs/cli.md): the run, the strategy registry and the loaders it uses.
+__all__ = ["STRATEGIES", "Strategy", "bench_command", "load_draft", "load_prompts", "load_target", "register_strategy",
+           "run_bench"]
 
 
 # --------------------------------------------------------------------------------------------------------- running

@@ -16,7 +16,12 @@ except ImportError:  # pragma: no cover - older Transformers
 
 
 def sliding_layer(layer) -> bool:
-    """Whether ``layer`` is a sliding-window layer of a ``DynamicCache``."""
+    """
+    Whether ``layer`` is a sliding-window layer of a ``DynamicCache``.
+
+    Args:
+        layer (`CacheLayerMixin`): a layer of the target's cache.
+    """
     return DynamicSlidingWindowLayer is not None and type(layer) is DynamicSlidingWindowLayer
 
 
