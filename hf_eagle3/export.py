@@ -73,6 +73,7 @@ CORE_FILES = (
     "tree_policy.py",
     "tree_drafter.py",
     "tree_decoding.py",
+    "batched_decoding.py",
 )
 AUTO_MAP = {"AutoConfig": "configuration_eagle3.Eagle3Config", "AutoModel": "auto_entry.Eagle3DraftModel"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

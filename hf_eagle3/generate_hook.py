@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation import utils as _gen_utils
 
+from . import batched_decoding
 from .candidate_generator import Eagle3CandidateGenerator
 from .feature_capture import Eagle3FeatureCapture, find_decoder_layers
 from .settings import pop_tree_settings, resolve_draft_settings, user_draft_settings
@@ -90,6 +91,31 @@ def _batch_size(args, kwargs) -> int | None:
     return None
 
 
+def check_batch_call(target, args: tuple, kwargs: dict) -> None:
+    """
+    Refuse, before any work, what a batched EAGLE-3 call of ``generate`` cannot do: a streamer (Transformers'
+    streamers take one sequence), or padding without an ``attention_mask`` (the pad token in the batch and no mask).
+
+    Args:
+        target (`PreTrainedModel`): the target.
+        args (`tuple`): ``generate``'s positional arguments.
+        kwargs (`dict`): its keyword arguments.
+    """
+    if kwargs.get("streamer") is not None:
+        raise ValueError("Transformers' streamers take one sequence (batch 1): drop the streamer for a batch, or "
+                         "generate one row at a time to stream it.")
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if kwargs.get("attention_mask") is not None or not isinstance(ids, torch.Tensor):
+        return
+    pad = kwargs.get("pad_token_id")
+    for config in (kwargs.get("generation_config"), target.generation_config):
+        if pad is None and config is not None:
+            pad = config.pad_token_id
+    if pad is not None and bool((ids == pad).any()):
+        raise ValueError("This batch holds the pad token but no attention_mask: pass the tokenizer's attention_mask "
+                         "(left padding) to generate, so that the padding stays masked.")
+
+
 def _eagle3_generate(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
@@ -97,11 +123,8 @@ def _eagle3_generate(original):
         if draft is None or not is_eagle3_draft(draft) or _ACTIVE.get() is not None:
             return original(self, *args, **kwargs)
         batch = _batch_size(args, kwargs)
-        if batch is not None and batch != 1:
-            raise ValueError(
-                f"EAGLE-3 decoding through `generate(assistant_model=draft)` handles one sequence at a time, got a "
-                f"batch of {batch}. Loop over the prompts (or call generate without the draft for batches)."
-            )
+        if batch is not None and batch > 1:
+            check_batch_call(self, args, kwargs)
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         if kwargs.get("inputs_embeds") is not None and not isinstance(ids, torch.Tensor):
             raise ValueError(
@@ -164,9 +187,10 @@ def _eagle3_get_candidate_generator(original):
 
 def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
     """
-    Which loop runs the assisted decoding of a ``generate`` call: the EAGLE-3 tree loop while an EAGLE-3 call with
-    tree settings is active, else Transformers' own loop (EAGLE-3 chain drafting runs there, through the candidate
-    generator).
+    Which loop runs the assisted decoding of a ``generate`` call while an EAGLE-3 call is active: the batched loop
+    (:mod:`~hf_eagle3.batched_decoding`, chains and trees) for more than one row, the tree loop for one row with tree
+    settings, else Transformers' own loop (batch-1 chain drafting runs there, through the candidate generator).
+    Other calls run Transformers' loop unchanged.
 
     Args:
         model (`PreTrainedModel`): the target.
@@ -175,9 +199,14 @@ def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
         kwargs (`dict`): its keyword arguments.
     """
     call = _ACTIVE.get()
-    if call is None or getattr(call, "tree", None) is None:
+    if call is None:
         return original(model, *args, **kwargs)
+    ids = args[0] if args else kwargs.get("input_ids")
     drafter_class = _TREE_DRAFTER_CLASS.get() or Eagle3TreeDrafter
+    if ids is not None and ids.shape[0] > 1:
+        return batched_decoding.eagle3_batched_decoding(model, call, *args, drafter_class=drafter_class, **kwargs)
+    if getattr(call, "tree", None) is None:
+        return original(model, *args, **kwargs)
     return eagle3_tree_decoding(model, call, *args, drafter_class=drafter_class, **kwargs)
 
 

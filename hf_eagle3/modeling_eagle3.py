@@ -70,8 +70,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     optional ``embed_tokens``), so a native checkpoint is also a flat one. A draft without ``lm_head`` uses the
     target's output head restricted to its vocabulary; one without ``embed_tokens`` shares the target's embedding.
 
-    After each ``generate`` call, :attr:`last_stats` holds that call's acceptance statistics and
-    :attr:`cumulative_stats` the sum over calls since :meth:`reset_stats`.
+    After each ``generate`` call, :attr:`last_stats` holds that call's acceptance statistics (summed over the rows
+    of a batch), :attr:`last_batch_stats` one per row, and :attr:`cumulative_stats` the sum over calls since
+    :meth:`reset_stats`.
 
     Args:
         config (`Eagle3Config`): the draft's configuration.
@@ -101,6 +102,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self._target_embedding = None
         self._target_head = None  # (weight rows of the draft vocabulary,) for a draft without lm_head
         self.last_stats = None
+        self.last_batch_stats = None
         self.cumulative_stats = None
         self.post_init()
         self.generation_config = GenerationConfig(
@@ -312,10 +314,12 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
     def reset_stats(self) -> None:
         """Forget the statistics accumulated over previous ``generate`` calls."""
         self.last_stats = None
+        self.last_batch_stats = None
         self.cumulative_stats = None
 
-    def _record_stats(self, stats) -> None:
+    def _record_stats(self, stats, rows: list | None = None) -> None:
         self.last_stats = stats
+        self.last_batch_stats = list(rows) if rows is not None else [stats]
         self.cumulative_stats = stats if self.cumulative_stats is None else self.cumulative_stats + stats
 
     # ----------------------------------------------------------------------------------------------------- saving

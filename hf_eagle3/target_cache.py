@@ -120,3 +120,81 @@ def tree_attention_mask(cache, ancestors: torch.BoolTensor, depths: torch.LongTe
         masks[kind] = mask[None, None]
     masks.pop("_window", None)
     return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
+# ------------------------------------------------------------------------------------------------ batches
+def _layers(cache):
+    return [layer for layer in cache.layers if layer.is_initialized and layer.keys is not None and layer.keys.numel()]
+
+
+def keep_rows(cache, rows: torch.LongTensor) -> None:
+    """Keep only the batch rows ``rows`` (in that order) of every layer of ``cache``.
+
+    Args:
+        cache (`DynamicCache`): the target's cache.
+        rows (`torch.LongTensor`): batch indices to keep.
+    """
+    for layer in _layers(cache):
+        layer.keys, layer.values = layer.keys[rows.to(layer.keys.device)], layer.values[rows.to(layer.keys.device)]
+
+
+def gather_entries(cache, index: torch.LongTensor, start: int) -> None:
+    """Replace every layer's entries from ``start`` on by the entries at ``start + index[b]`` of each row b.
+
+    Args:
+        cache (`DynamicCache`): the target's cache.
+        index (`torch.LongTensor` [B, A]): per row, the entries to keep (relative to ``start``), in order.
+        start (`int`): the first entry that is rewritten (entries before it are untouched).
+    """
+    width = index.shape[1]
+    for layer in _layers(cache):
+        idx = (index.to(layer.keys.device) + start)[:, None, :, None].expand(-1, layer.keys.shape[1], -1,
+                                                                           layer.keys.shape[-1])
+        keys, values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+        layer.keys[:, :, start : start + width] = keys  # in place: the entries before `start` are not copied
+        layer.values[:, :, start : start + width] = values
+        layer.keys, layer.values = layer.keys[:, :, : start + width], layer.values[:, :, : start + width]
+        if sliding_layer(layer):
+            layer.cumulative_length = layer.keys.shape[-2]
+
+
+def compact(cache, valid: torch.BoolTensor) -> torch.BoolTensor:
+    """Move each row's valid entries to the right end (holes become left padding) and drop the columns that are
+    holes in every row. Returns the new validity mask.
+
+    Args:
+        cache (`DynamicCache`): the target's cache.
+        valid (`torch.BoolTensor` [B, T]): which entries of each row are real.
+    """
+    length = int(valid.sum(-1).max())
+    # Stable order: holes first, then the valid entries in their order; keep the last `length` of them.
+    order = torch.sort(valid.long(), dim=-1, stable=True).indices[:, -length:]
+    gather_entries(cache, order, 0)
+    return valid.gather(1, order)
+
+
+def batch_tree_mask(cache, valid: torch.BoolTensor, trees: list, nodes: int, dtype):
+    """The 4D additive mask of a batched tree forward: each node sees its row's valid cache entries and its own
+    ancestors (itself included); the padding nodes of a smaller tree see only themselves.
+
+    Args:
+        cache (`DynamicCache`): the target's cache (before the forward).
+        valid (`torch.BoolTensor` [B, T]): real entries of each row.
+        trees (`list[DraftTree]`): one per row.
+        nodes (`int`): tokens of the forward per row (the largest tree).
+        dtype: the target's dtype.
+
+    Returns:
+        A float tensor [B, 1, nodes, T + nodes]; for models with both full and sliding layers, the same mask under
+        ``"full_attention"`` and ``"sliding_attention"`` (nothing is ever outside the window, see :func:`check_batch`).
+    """
+    device = valid.device
+    tree = torch.eye(nodes, dtype=torch.bool, device=device).repeat(len(trees), 1, 1)
+    for b, t in enumerate(trees):
+        n = t.tokens.shape[0]
+        tree[b, :n, :n] = t.ancestors.to(device)
+    allowed = torch.cat([valid[:, None, :].expand(-1, nodes, -1), tree], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = mask[:, None]
+    kinds = {"sliding_attention" if sliding_layer(layer) else "full_attention" for layer in cache.layers}
+    return {kind: mask for kind in kinds} if len(kinds) > 1 else mask

@@ -1,0 +1,396 @@
+"""Batched EAGLE-3 decoding: chains and trees for a left-padded batch, run in place of Transformers' assisted-decoding
+loop (which takes one sequence) when ``generate`` gets more than one row.
+
+Every row keeps its own draft state and acceptance; the target verifies all rows in one forward. Rows accept different
+numbers of tokens, so the target's KV cache keeps a per-row validity mask: a round appends as many entries as the row
+that accepted most, the other rows' surplus entries are holes that the attention mask hides, and each row carries its
+own position ids. When holes make the cache much longer than the longest row, the rows are compacted (each row's
+entries moved to the right end, as left padding is). Rows that finish leave the batch, so they stop costing.
+
+A chain is the tree with one child per node: the same loop drafts ``num_assistant_tokens`` tokens per row with the
+draft's most likely token at each step, and accepts them with the same walk (greedy: the target's choice; sampling:
+recursive rejection sampling, which keeps the target's distribution). See ``docs/batching.md``.
+
+Core file: imports only torch/transformers and the other core files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import time
+
+import torch
+
+from .acceptance import clip_new_tokens, walk_tree
+from .cost_model import Eagle3Costs, Eagle3DraftLengthPolicy, measure_costs, target_costs
+from .settings import resolve_draft_settings
+from .stats import Eagle3Stats
+from .target_cache import batch_tree_mask, check_tree_cache, compact, gather_entries, keep_rows, sliding_layer
+from .tree_drafter import DraftTree, Eagle3TreeDrafter
+
+COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
+
+
+@dataclass(eq=False)
+class _Row:
+    """One sequence of the batch while it decodes."""
+
+    index: int  # its place in the batch as given
+    ids: list  # the padded prompt followed by the tokens generated so far (target ids)
+    drafter: Eagle3TreeDrafter  # its state holds the verified positions not fed yet
+    stats: Eagle3Stats = field(default_factory=Eagle3Stats)
+    scores: list = field(default_factory=list)  # per generated token: processed scores [1, V]
+    logits: list = field(default_factory=list)  # per generated token: raw logits [1, V]
+
+
+def _round_shape(call, draft) -> dict:
+    """The drafting shape of the rounds: ``{"depth", "top_k", "total", "auto"}`` (a chain is ``top_k = 1``; with
+    ``"auto"`` the depth is the longest chain and a policy picks each round's)."""
+    if call.tree is not None:
+        total = call.tree["total_tokens"]
+        if total == "auto":
+            total = TREE_AUTO_BATCHED
+        return {"depth": min(call.tree["depth"], total), "top_k": min(call.tree["top_k"], total), "total": total,
+                "auto": False}
+    settings = resolve_draft_settings(draft.generation_config, call.settings)
+    k = int(settings.get("num_assistant_tokens", 5))
+    return {"depth": k, "top_k": 1, "total": k, "auto": settings.get("num_assistant_tokens_schedule") == "auto"}
+
+
+def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None) -> Eagle3DraftLengthPolicy:
+    """
+    The ``"auto"`` draft-length policy of a batched call: one length per round for every row, chosen under the
+    costs of this batch (the target's forwards timed at this batch size; the draft, which runs row by row, at
+    batch 1 times the rows).
+
+    Args:
+        model: the target.
+        draft: the draft.
+        input_ids (`torch.LongTensor` [B, L]): the batch.
+        carried (`dict`, *optional*): the acceptance carried from the draft's previous call.
+    """
+    rows = input_ids.shape[0]
+    single = measure_costs(model, draft, input_ids[:1])
+    costs = Eagle3Costs(target=target_costs(model, input_ids),
+                        draft_feed={m: rows * s for m, s in single.draft_feed.items()},
+                        draft_step=rows * single.draft_step)
+    return Eagle3DraftLengthPolicy.from_carried(costs, carried)
+
+
+TREE_AUTO_BATCHED = 16  # nodes per row when a batched call asks for tree_total_tokens="auto" (see docs/batching.md)
+
+
+def check_batch(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> torch.Tensor:
+    """
+    Check what a batched call can do before any work, and return the number of left pads of each row.
+
+    Args:
+        input_ids (`torch.LongTensor` [B, L]): the padded prompts.
+        attention_mask (`torch.Tensor` [B, L] or `None`): 1 at real tokens; left padding only.
+        generation_config (`GenerationConfig`): the call's config.
+        cache (`Cache`): the target's cache for the call.
+        nodes (`int`): the most tokens a round verifies per row (root included).
+
+    Raises:
+        ValueError: with the fix, for a setting the batched loop cannot do.
+    """
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError("Batched EAGLE-3 decoding does not return attentions or hidden states; drop "
+                         "output_attentions / output_hidden_states (scores and logits are supported).")
+    if cache is None or not generation_config.use_cache:
+        raise ValueError("Batched EAGLE-3 decoding requires a cache (use_cache=True).")
+    check_tree_cache(cache)
+    if attention_mask is None:
+        return torch.zeros(input_ids.shape[0], dtype=torch.long)
+    mask = attention_mask.bool()
+    real = mask.sum(-1)
+    pads = (mask.shape[1] - real).cpu()
+    left_padded = (mask.long().cumsum(-1) == 0).sum(-1).cpu() == pads
+    if not bool(left_padded.all()) or bool((real == 0).any()):
+        raise ValueError("Batched EAGLE-3 decoding needs left-padded prompts with at least one token each "
+                         "(tokenizer.padding_side = 'left'); the attention mask has zeros after a real token.")
+    windows = [layer.sliding_window for layer in cache.layers if sliding_layer(layer)]
+    if windows and generation_config.max_length + nodes >= min(windows):
+        raise ValueError(
+            f"Batched EAGLE-3 decoding keeps every row's cache entries inside the target's sliding window "
+            f"({min(windows)}), so max_length + tokens per round ({generation_config.max_length} + {nodes}) must stay "
+            "below it. Generate fewer tokens, or decode the rows one at a time (batch 1 has no such limit)."
+        )
+    return pads
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+def eagle3_batched_decoding(
+    model,
+    call,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    inputs_tensor=None,
+    assistant_model=None,
+    assistant_tokenizer=None,
+    tokenizer=None,
+    drafter_class=None,
+    **model_kwargs,
+):
+    r"""
+    EAGLE-3 decoding of a left-padded batch (chains or trees); takes ``GenerationMixin._assisted_decoding``'s
+    arguments.
+
+    Each round, in order: **draft** (each unfinished row's draft consumes its verified features and drafts a chain or
+    a tree), **verify** (one target forward of every row's nodes: 4D mask over the row's valid cache entries and its
+    tree, per-row positions), **accept** (per row, :func:`~hf_eagle3.acceptance.walk_tree`, then the length limit and
+    EOS), **commit** (the target cache keeps each row's accepted path, the accepted features wait for the draft) and
+    **retire** (finished rows leave the batch). Output: the rows as plain batched ``generate`` lays them out (padded
+    prompt, generated tokens, ``pad_token_id`` after a row's end).
+
+    Args:
+        model: the target.
+        call: the active EAGLE-3 call (draft, feature capture, settings).
+        input_ids (`torch.LongTensor` [B, L]): the left-padded prompts.
+        logits_processor (`LogitsProcessorList`): applied per row to the target's logits, with the row's own prefix.
+        stopping_criteria (`StoppingCriteriaList`): checked per row after each round.
+        generation_config (`GenerationConfig`): ``do_sample``, ``max_length``, EOS, pad, ``return_dict_in_generate``,
+            ``output_scores``, ``output_logits``.
+        streamer: must be ``None`` (Transformers' streamers take one row; the generate hook refuses them before).
+        drafter_class (`type`, *optional*): the drafter of each row (default :class:`Eagle3TreeDrafter`).
+        model_kwargs: the prepared model kwargs (``cache``, ``attention_mask``, ...).
+
+    The other arguments of ``_assisted_decoding`` are accepted and ignored.
+
+    Returns:
+        `torch.LongTensor` [B, L + new], or a `GenerateDecoderOnlyOutput` when ``return_dict_in_generate`` (its
+        ``scores`` / ``logits`` hold, per step, one row per sequence; rows already finished get ``-inf`` scores
+        and zero logits there; ``past_key_values`` is ``None``: the cache has holes).
+    """
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    if streamer is not None:
+        raise ValueError("Transformers' streamers take one sequence; stream with a batch of one.")
+    draft, capture = call.draft, call.capture
+    shape = _round_shape(call, draft)
+    cache_key = "cache" if model_kwargs.get("cache") is not None else "past_key_values"  # renamed in 5.2x
+    cache = model_kwargs.get(cache_key)
+    attention_mask = model_kwargs.get("attention_mask")
+    pads = check_batch(input_ids, attention_mask, generation_config, cache, shape["total"] + 1)
+    run = _BatchRun(draft)
+    call.generator = run
+    if shape["auto"]:
+        run.policy = batch_policy(model, draft, input_ids, getattr(draft, "_draft_length_state", None))
+        capture.clear()  # the timing forwards (once per target and batch size) went through the hooks
+
+    do_sample = bool(generation_config.do_sample)
+    max_length = generation_config.max_length
+    eos = getattr(generation_config, "_eos_token_tensor", None)
+    eos = set() if eos is None else set(eos.view(-1).tolist())
+    processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
+    device, dtype = input_ids.device, model.dtype
+    batch_size = input_ids.shape[0]
+    drafter_class = drafter_class or Eagle3TreeDrafter
+
+    # ---- prefill: the padded prompts in one forward, the first token of each row, the draft's first features
+    model_inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
+    if "logits_to_keep" in model_inputs:
+        model_inputs["logits_to_keep"] = 1
+    outputs = model(**model_inputs)
+    check_tree_cache(cache)  # layers are created lazily by the first forward
+    last = outputs.logits[:, -1].to(dtype=torch.float32, device=device)
+    scores = processors(input_ids, last) if processors is not None else last
+    first = torch.multinomial(scores.softmax(-1), 1)[:, 0] if do_sample else scores.argmax(-1)
+    features = capture.features(draft.fc.weight.device, draft.fc.weight.dtype)
+    capture.clear()
+    del outputs, model_inputs
+    valid = (attention_mask.bool() if attention_mask is not None
+             else torch.ones(input_ids.shape, dtype=torch.bool, device=device))
+    positions = valid.sum(-1)  # position of each row's next token (its root): real tokens so far
+    rows = []
+    for b, token in enumerate(first.tolist()):
+        ids = input_ids[b].tolist() + [token]
+        p = int(pads[b])
+        tokens = torch.tensor(ids[p + 1 :], dtype=torch.long, device=draft.fc.weight.device)
+        row = _Row(b, ids, drafter_class(draft))
+        row.drafter.state.add(features[b : b + 1, p:], tokens)
+        row.scores.append(scores[b : b + 1])
+        row.logits.append(last[b : b + 1])
+        row.stats.record(0, 0)
+        rows.append(row)
+    finished = [None] * len(rows)
+    rows = _retire(rows, finished, stopping_criteria, eos, max_length, device)
+    keep = torch.tensor([r.index for r in rows], dtype=torch.long)
+    if len(rows) < len(finished):
+        keep_rows(cache, keep.to(device))
+        valid, positions = valid[keep.to(device)], positions[keep.to(device)]
+
+    while rows:
+        # ---- draft
+        started = time.perf_counter()
+        round_shape, feed = shape, 0
+        if run.policy is not None:
+            feed = round(sum(row.drafter.state.num_pending for row in rows) / len(rows))
+            k = run.policy.choose(shape["depth"], feed=feed)
+            round_shape = dict(shape, depth=k, total=k)
+        trees = [_draft(row, round_shape, max_length) for row in rows]
+        nodes = max(t.tokens.shape[0] for t in trees)
+        if valid.shape[1] + nodes > 2 * int(positions.max()) + COMPACT_SLACK:
+            valid = compact(cache, valid)  # holes make the cache far longer than its longest row
+        # ---- verify
+        start = valid.shape[1]
+        tokens = torch.stack([_padded(t.tokens, nodes) for t in trees]).to(device)
+        depths = torch.stack([_padded(t.depths, nodes) for t in trees]).to(device)
+        outputs = model(
+            input_ids=tokens,
+            position_ids=positions[:, None] + depths,
+            attention_mask=batch_tree_mask(cache, valid, trees, nodes, dtype),
+            use_cache=True,
+            **{cache_key: cache},
+        )
+        logits = outputs.logits[:, -nodes:].to(dtype=torch.float32, device=device)
+        features = capture.features(draft.fc.weight.device, draft.fc.weight.dtype)
+        capture.clear()
+        del outputs
+        argmax = logits.argmax(-1).tolist() if processors is None and not do_sample else None
+        # ---- accept
+        kept = []
+        for b, (row, tree) in enumerate(zip(rows, trees)):
+            n = tree.tokens.shape[0]
+            host = tree.tokens.tolist()
+            walk = walk_tree(host, tree.parents.tolist(), logits[b, :n], do_sample,
+                             argmax=None if argmax is None else argmax[b][:n],
+                             process=_row_processor(processors, row, batch_size, device))
+            new = clip_new_tokens([host[a] for a in walk.accepted] + [walk.bonus], max_length - len(row.ids), eos)
+            path = [0] + walk.accepted[: len(new) - 1]
+            kept.append(path)
+            index = torch.tensor(path, device=features.device)
+            row.drafter.state.add(features[b : b + 1, index], torch.tensor(new, dtype=torch.long, device=features.device))
+            row.ids += new
+            row.scores += walk.scores[: len(new)]
+            row.logits += walk.logits[: len(new)]
+            row.stats.record(int(tree.depths.max()), len(new) - 1)
+        # ---- commit: each row keeps its accepted path; shorter paths leave holes
+        width = max(len(p) for p in kept)
+        index = torch.zeros(len(rows), width, dtype=torch.long)
+        block = torch.zeros(len(rows), width, dtype=torch.bool)
+        for b, p in enumerate(kept):
+            index[b, : len(p)] = torch.tensor(p)
+            block[b, : len(p)] = True
+        gather_entries(cache, index.to(device), start)
+        valid = torch.cat([valid, block.to(device)], dim=1)
+        positions = positions + block.sum(-1).to(device)
+        # ---- retire finished rows
+        remaining = _retire(rows, finished, stopping_criteria, eos, max_length, device)
+        if len(remaining) < len(rows):
+            keep = torch.tensor([i for i, r in enumerate(rows) if r in remaining], dtype=torch.long, device=device)
+            keep_rows(cache, keep)
+            valid, positions = valid[keep], positions[keep]
+        if run.policy is not None:
+            drafted = round_shape["depth"]
+            for tree, path in zip(trees, kept):
+                run.policy.observe(int(tree.depths.max()), len(path) - 1)
+            run.policy.observe_time(drafted, time.perf_counter() - started, feed=feed)
+        rows = remaining
+
+    return _outputs(finished, generation_config, input_ids, run, GenerateDecoderOnlyOutput)
+
+
+def _padded(values: torch.Tensor, n: int) -> torch.Tensor:
+    """``values`` followed by copies of its first entry, to length ``n`` (the padding nodes of a smaller tree)."""
+    if values.shape[0] == n:
+        return values
+    return torch.cat([values, values[:1].expand(n - values.shape[0])])
+
+
+def _draft(row: _Row, shape: dict, max_length: int) -> DraftTree:
+    """Feed the row's verified positions to its draft and draft its tree (a lone root when no room is left)."""
+    depth = min(shape["depth"], max_length - len(row.ids) - 1)
+    drafter = row.drafter
+    root = torch.tensor(row.ids[-1:], dtype=torch.long, device=drafter.device)
+    if depth < 1:  # the feed waits in the draft state
+        return DraftTree.root_only(root)
+    drafter.feed()
+    candidates = drafter.expand(depth, shape["top_k"])
+    return drafter.select(candidates, root, shape["total"])
+
+
+def _row_processor(processors, row: _Row, batch_size: int, device):
+    """The walk's ``process``: the logits processors with the row's own prefix (padded prompt + its tokens).
+
+    Processors may keep per-row state sized to the batch (e.g. the prompt lengths of a repetition penalty that
+    ignores the prompt), so they are called on the batch's full size with the row in every place, and the row's own
+    place is read back.
+    """
+    if processors is None:
+        return None
+
+    def process(path: list, logits: torch.Tensor) -> torch.Tensor:
+        ids = torch.tensor([row.ids + path], dtype=torch.long, device=device).expand(batch_size, -1)
+        return processors(ids, logits.expand(batch_size, -1).clone())[row.index : row.index + 1]
+
+    return process
+
+
+def _retire(rows: list, finished: list, stopping_criteria, eos: set, max_length: int, device) -> list:
+    """Move the rows that are done (EOS, ``max_length`` or a stopping criterion) to ``finished``; return the rest."""
+    remaining = []
+    for row in rows:
+        done = row.ids[-1] in eos or len(row.ids) >= max_length
+        if not done:
+            done = bool(stopping_criteria(torch.tensor([row.ids], dtype=torch.long, device=device), None).all())
+        if done:
+            finished[row.index] = row
+        else:
+            remaining.append(row)
+    return remaining
+
+
+class _BatchRun:
+    """Per-call state published at the end of ``generate`` (``finish`` is called by the generate hook): the summed
+    statistics as ``draft.last_stats``, one per row as ``draft.last_batch_stats``."""
+
+    def __init__(self, draft):
+        self.draft = draft
+        self.rows = []
+        self.policy = None  # the "auto" draft-length policy, when the call uses it
+
+
+    def finish(self) -> Eagle3Stats:
+        """Publish the statistics on the draft and return their sum."""
+        total = Eagle3Stats()
+        for stats in self.rows:
+            total = total + stats
+        if self.policy is not None:
+            self.draft._draft_length_state = self.policy.carried()
+        self.draft._record_stats(total, rows=self.rows)
+        return total
+
+
+def _outputs(finished: list, generation_config, input_ids, run: _BatchRun, output_class):
+    """Lay the rows out as plain batched ``generate`` does, and the statistics on the run."""
+    run.rows = [row.stats for row in finished]
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    if pad is None:
+        eos = getattr(generation_config, "_eos_token_tensor", None)
+        pad = eos.view(-1)[0] if eos is not None else 0
+    pad = int(pad)
+    length = max(len(row.ids) for row in finished)
+    sequences = torch.tensor([row.ids + [pad] * (length - len(row.ids)) for row in finished],
+                             dtype=input_ids.dtype, device=input_ids.device)
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    steps = length - input_ids.shape[1]
+
+    def per_step(name: str, fill: float):
+        if not getattr(generation_config, f"output_{name}"):
+            return None
+        out = []
+        for t in range(steps):
+            values = [getattr(row, name)[t] if t < len(getattr(row, name)) else None for row in finished]
+            like = next(v for v in values if v is not None)
+            out.append(torch.cat([v if v is not None else torch.full_like(like, fill) for v in values]))
+        return tuple(out)
+
+    return output_class(sequences=sequences, scores=per_step("scores", float("-inf")),
+                        logits=per_step("logits", 0.0), past_key_values=None)
