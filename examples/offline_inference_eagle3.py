@@ -25,7 +25,7 @@ import time
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse the example's arguments; ``--max_num_seqs`` other than 1 is an error (one sequence at a time).
+    """Parse the example's arguments (``--max_num_seqs`` below 1 is an error).
 
     Args:
         argv: arguments without the program name (default ``sys.argv[1:]``).
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num_spec_tokens", type=int, default=None,
                         help="draft tokens per round k (default: the draft's generation config)")
     parser.add_argument("--max_num_seqs", type=int, default=1,
-                        help="sequences decoded at once; only 1 is supported")
+                        help="sequences decoded at once, as one left-padded batch (default 1)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--max_new_tokens", type=int, default=256, help="new tokens per prompt (default 256)")
     parser.add_argument("--target", default=None, help="target Hub id or directory (default: SmolLM2-135M-Instruct)")
@@ -50,12 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="weight dtype (default float32)")
     parser.add_argument("--device", default=None, help="cpu (default), cuda, ...")
     args = parser.parse_args(argv)
-    if args.max_num_seqs != 1:
-        parser.error(
-            f"--max_num_seqs {args.max_num_seqs} is not supported: EAGLE-3 decoding through Transformers' generate "
-            "(assisted decoding) handles one sequence at a time. Use --max_num_seqs 1; prompts are decoded one "
-            "after the other."
-        )
+    if args.max_num_seqs < 1:
+        parser.error(f"--max_num_seqs {args.max_num_seqs}: give at least 1 (sequences decoded at once).")
     return args
 
 
@@ -108,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
+    from hf_eagle3.bench_batched import left_padded, new_tokens
     from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target
 
     stride = max(1, args.prompt_stride)
@@ -126,18 +123,23 @@ def main(argv: list[str] | None = None) -> int:
     outputs, per_prompt = [], []
     input_tokens = output_tokens = 0
     start = time.perf_counter()
-    bar = tqdm(prompts, desc="Processed prompts", unit="prompt")
-    for i, prompt in enumerate(bar):
-        ids = encode_prompt(tokenizer, prompt).to(target.device)
+    bar = tqdm(total=len(prompts), desc="Processed prompts", unit="prompt")
+    eos = target.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    for i in range(0, len(prompts), args.max_num_seqs):
+        ids, mask = left_padded([encode_prompt(tokenizer, p).to(target.device)
+                                 for p in prompts[i : i + args.max_num_seqs]], pad)
         torch.manual_seed(args.seed + i)
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
+        out = target.generate(ids, attention_mask=mask, assistant_model=draft,
                               num_assistant_tokens=k, num_assistant_tokens_schedule="constant", **gen)
-        new = out[0, ids.shape[1]:]
-        per_prompt.append(draft.last_stats)
-        outputs.append(tokenizer.decode(new, skip_special_tokens=True))
-        input_tokens += ids.shape[1]
-        output_tokens += new.shape[0]
+        for new in new_tokens(out, ids.shape[1], eos):
+            outputs.append(tokenizer.decode(new, skip_special_tokens=True))
+            output_tokens += len(new)
+        per_prompt += draft.last_batch_stats
+        input_tokens += int(mask.sum())
         elapsed = time.perf_counter() - start
+        bar.update(ids.shape[0])
         bar.set_postfix_str(f"est. speed input: {input_tokens / elapsed:.2f} toks/s, "
                             f"output: {output_tokens / elapsed:.2f} toks/s")
     bar.close()

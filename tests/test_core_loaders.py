@@ -444,8 +444,10 @@ def test_generate_errors_leave_no_hooks():
     assert hooks(t) == before and deep.last_stats is None
 
     draft = tiny_draft(t)
-    with pytest.raises(ValueError, match="one sequence at a time") as err:
-        t.generate(ids.repeat(2, 1), do_sample=False, max_new_tokens=5, assistant_model=draft)
-    assert "Loop over the prompts" in str(err.value)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[0, -1] = 0  # right padding: refused inside the batched loop, after the hooks went on
+    with pytest.raises(ValueError, match="left-padded") as err:
+        t.generate(ids.repeat(2, 1), attention_mask=mask, do_sample=False, max_new_tokens=5, assistant_model=draft)
+    assert "padding_side" in str(err.value)
     assert hooks(t) == before and no_pre_hooks(t)
     assert torch.equal(t.generate(ids, do_sample=False, max_new_tokens=5), reference)
