@@ -26,7 +26,7 @@ from .acceptance import clip_new_tokens, walk_tree
 from .cost_model import Eagle3Costs, Eagle3DraftLengthPolicy, measure_costs, target_costs
 from .settings import resolve_draft_settings
 from .stats import Eagle3Stats
-from .target_cache import batch_tree_mask, check_tree_cache, compact, gather_entries, keep_rows, sliding_layer
+from .target_cache import batch_tree_mask, compact, decoding_cache, gather_entries, keep_rows, prefill, sliding_layer
 from .tree_drafter import DraftTree, Eagle3TreeDrafter
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
@@ -83,7 +83,8 @@ TREE_AUTO_BATCHED = 16  # nodes per row when a batched call asks for tree_total_
 
 def check_batch(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> torch.Tensor:
     """
-    Check what a batched call can do before any work, and return the number of left pads of each row.
+    Check, before any work, what only the batched loop needs (left padding; every entry inside a sliding window),
+    and return the number of left pads of each row.
 
     Args:
         input_ids (`torch.LongTensor` [B, L]): the padded prompts.
@@ -95,12 +96,6 @@ def check_batch(input_ids: torch.LongTensor, attention_mask, generation_config, 
     Raises:
         ValueError: with the fix, for a setting the batched loop cannot do.
     """
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise ValueError("Batched EAGLE-3 decoding does not return attentions or hidden states; drop "
-                         "output_attentions / output_hidden_states (scores and logits are supported).")
-    if cache is None or not generation_config.use_cache:
-        raise ValueError("Batched EAGLE-3 decoding requires a cache (use_cache=True).")
-    check_tree_cache(cache)
     if attention_mask is None:
         return torch.zeros(input_ids.shape[0], dtype=torch.long)
     mask = attention_mask.bool()
@@ -173,8 +168,7 @@ def eagle3_batched_decoding(
         raise ValueError("Transformers' streamers take one sequence; stream with a batch of one.")
     draft, capture = call.draft, call.capture
     shape = _round_shape(call, draft)
-    cache_key = "cache" if model_kwargs.get("cache") is not None else "past_key_values"  # renamed in 5.2x
-    cache = model_kwargs.get(cache_key)
+    cache_key, cache = decoding_cache(model_kwargs, generation_config, "Batched EAGLE-3 decoding")
     attention_mask = model_kwargs.get("attention_mask")
     pads = check_batch(input_ids, attention_mask, generation_config, cache, shape["total"] + 1)
     run = _BatchRun(draft)
@@ -193,17 +187,11 @@ def eagle3_batched_decoding(
     drafter_class = drafter_class or Eagle3TreeDrafter
 
     # ---- prefill: the padded prompts in one forward, the first token of each row, the draft's first features
-    model_inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
-    if "logits_to_keep" in model_inputs:
-        model_inputs["logits_to_keep"] = 1
-    outputs = model(**model_inputs)
-    check_tree_cache(cache)  # layers are created lazily by the first forward
-    last = outputs.logits[:, -1].to(dtype=torch.float32, device=device)
+    last = prefill(model, input_ids, model_kwargs, cache)
     scores = processors(input_ids, last) if processors is not None else last
     first = torch.multinomial(scores.softmax(-1), 1)[:, 0] if do_sample else scores.argmax(-1)
     features = capture.features(draft.fc.weight.device, draft.fc.weight.dtype)
     capture.clear()
-    del outputs, model_inputs
     valid = (attention_mask.bool() if attention_mask is not None
              else torch.ones(input_ids.shape, dtype=torch.bool, device=device))
     positions = valid.sum(-1)  # position of each row's next token (its root): real tokens so far

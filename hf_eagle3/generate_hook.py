@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation import utils as _gen_utils
 
-from . import batched_decoding
+from .batched_decoding import eagle3_batched_decoding
 from .candidate_generator import Eagle3CandidateGenerator
 from .feature_capture import Eagle3FeatureCapture, find_decoder_layers
 from .settings import pop_tree_settings, resolve_draft_settings, user_draft_settings
@@ -204,7 +204,7 @@ def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
     ids = args[0] if args else kwargs.get("input_ids")
     drafter_class = _TREE_DRAFTER_CLASS.get() or Eagle3TreeDrafter
     if ids is not None and ids.shape[0] > 1:
-        return batched_decoding.eagle3_batched_decoding(model, call, *args, drafter_class=drafter_class, **kwargs)
+        return eagle3_batched_decoding(model, call, *args, drafter_class=drafter_class, **kwargs)
     if getattr(call, "tree", None) is None:
         return original(model, *args, **kwargs)
     return eagle3_tree_decoding(model, call, *args, drafter_class=drafter_class, **kwargs)

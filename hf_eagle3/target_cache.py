@@ -46,6 +46,49 @@ def check_tree_cache(cache) -> None:
             )
 
 
+def decoding_cache(model_kwargs: dict, generation_config, loop: str) -> tuple[str, object]:
+    """
+    The target's cache of this ``generate`` call and the keyword it travels under, after the checks both EAGLE-3 loops
+    share: a cache whose entries can be gathered, and no attentions / hidden states asked for (they return neither).
+
+    Args:
+        model_kwargs (`dict`): the prepared model kwargs.
+        generation_config (`GenerationConfig`): the call's config.
+        loop (`str`): the loop's name, for the error messages.
+
+    Returns:
+        ``(key, cache)``: ``"cache"`` (Transformers >= 5.2x) or ``"past_key_values"``, and the `DynamicCache`.
+    """
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError(f"{loop} does not return attentions or hidden states; drop output_attentions / "
+                         "output_hidden_states (scores and logits are supported).")
+    key = "cache" if model_kwargs.get("cache") is not None else "past_key_values"  # renamed in 5.2x
+    cache = model_kwargs.get(key)
+    if cache is None or not generation_config.use_cache:
+        raise ValueError(f"{loop} requires a cache (use_cache=True).")
+    check_tree_cache(cache)
+    return key, cache
+
+
+def prefill(model, input_ids: torch.LongTensor, model_kwargs: dict, cache) -> torch.Tensor:
+    """
+    The target's first forward, over the prompt(s), which fills ``cache``; returns the float32 logits at the last
+    position ``[B, V]`` (on ``input_ids``' device).
+
+    Args:
+        model (`PreTrainedModel`): the target.
+        input_ids (`torch.LongTensor` [B, L]): the prompt(s).
+        model_kwargs (`dict`): the prepared model kwargs (cache, attention mask, ...).
+        cache (`DynamicCache`): the cache among them, checked again once its layers exist.
+    """
+    model_inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
+    if "logits_to_keep" in model_inputs:
+        model_inputs["logits_to_keep"] = 1
+    logits = model(**model_inputs).logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
+    check_tree_cache(cache)  # layers are created lazily by the first forward
+    return logits
+
+
 def gather_cache(cache, keep: torch.LongTensor, num_new: int) -> None:
     """Keep, of the last ``num_new`` entries of every layer of ``cache``, only those at indices ``keep`` (in order).
 

@@ -25,7 +25,7 @@ import torch
 from .acceptance import TreeWalk, clip_new_tokens, walk_tree
 from .cost_model import synchronize, target_costs
 from .stats import Eagle3Stats
-from .target_cache import check_tree_cache, gather_cache, tree_attention_mask
+from .target_cache import decoding_cache, gather_cache, prefill, tree_attention_mask
 from .tree_drafter import DraftTree, Eagle3TreeDrafter
 from .tree_policy import AUTO_SIZES, TreeSizeChooser
 
@@ -85,14 +85,7 @@ class _TreeLoop:
         if input_ids.shape[1] == 0:
             raise ValueError("EAGLE-3 tree decoding needs `input_ids` (a prompt given only as `inputs_embeds` is not "
                              "supported).")
-        if generation_config.output_attentions or generation_config.output_hidden_states:
-            raise ValueError("EAGLE-3 tree decoding does not return attentions or hidden states; drop "
-                             "output_attentions / output_hidden_states (scores and logits are supported).")
-        self.cache_key = "cache" if model_kwargs.get("cache") is not None else "past_key_values"  # renamed in 5.2x
-        self.cache = model_kwargs.get(self.cache_key)
-        if self.cache is None or not generation_config.use_cache:
-            raise ValueError("EAGLE-3 tree decoding requires a cache (use_cache=True).")
-        check_tree_cache(self.cache)
+        self.cache_key, self.cache = decoding_cache(model_kwargs, generation_config, "EAGLE-3 tree decoding")
         if hasattr(self.cache, "activate_past_recording"):  # sliding layers keep what a rollback needs until the gather
             self.cache.activate_past_recording()
 
@@ -132,15 +125,8 @@ class _TreeLoop:
 
     def prefill(self) -> None:
         """The target's forward over the prompt: the first token, and the prompt's features for the draft."""
-        model_inputs = self.model.prepare_inputs_for_generation(self.input_ids, is_first_iteration=True,
-                                                                **self.model_kwargs)
-        if "logits_to_keep" in model_inputs:
-            model_inputs["logits_to_keep"] = 1
-        outputs = self.model(**model_inputs)
-        check_tree_cache(self.cache)  # layers are created lazily by the first forward
+        last = prefill(self.model, self.input_ids, self.model_kwargs, self.cache)
         self.cache.crop(0)  # sliding layers back to their window
-        last = outputs.logits[:, -1].to(dtype=torch.float32, device=self.device)
-        del outputs, model_inputs
         token, processed = self._pick(self.input_ids, last)
         self._extend([token], [processed], [last])
         self.stats.record(0, 0)

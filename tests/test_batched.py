@@ -22,7 +22,7 @@ from conftest import cached_target as target_of
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 import hf_eagle3.acceptance as acceptance
-from hf_eagle3 import Eagle3TreeDrafter, batched_decoding, cost_model
+from hf_eagle3 import Eagle3TreeDrafter, batched_decoding, cost_model, generate_hook
 from hf_eagle3.generate_hook import _ACTIVE, use_drafting
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
@@ -215,7 +215,7 @@ def test_processors_scores_and_dict_output():
 
 def test_batch_of_one_keeps_the_batch_one_path(monkeypatch):
     """Batch 1 never enters the batched loop (Transformers' assisted loop for chains, the tree loop for trees)."""
-    monkeypatch.setattr(batched_decoding, "eagle3_batched_decoding", lambda *a, **k: pytest.fail("batched loop"))
+    monkeypatch.setattr(generate_hook, "eagle3_batched_decoding", lambda *a, **k: pytest.fail("batched loop"))
     target, draft = batch_target("llama"), draft_of("llama")
     ids, mask = padded_batch((6,), seed=1)
     for settings in (CHAIN, TREE):

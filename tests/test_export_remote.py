@@ -105,6 +105,18 @@ ISOLATED_SCRIPT = textwrap.dedent(
         res["identical"] = bool(torch.equal(out, ref))
         res["tokens"] = out[0].tolist()
         res["num_drafts"] = None if draft.last_stats is None else draft.last_stats.num_drafts
+        # A left-padded batch of two (the batched loop) and a tree (the tree loop), from the bundle's files too.
+        batch = torch.cat([torch.cat([torch.zeros(1, 2, dtype=torch.long), ids[:, 2:]], -1), ids])
+        mask = (batch != 0).long()
+        mask[1] = 1
+        plain = target.generate(batch, attention_mask=mask, max_new_tokens=spec["new_tokens"], do_sample=False)
+        for kwargs in ({}, {"tree_total_tokens": 6, "tree_depth": 3, "tree_top_k": 2}):
+            out = target.generate(batch, attention_mask=mask, max_new_tokens=spec["new_tokens"], do_sample=False,
+                                  assistant_model=draft, **kwargs)
+            res["batched_identical" + ("_tree" if kwargs else "")] = bool(torch.equal(out, plain))
+        out = target.generate(ids, max_new_tokens=spec["new_tokens"], do_sample=False, assistant_model=draft,
+                              tree_total_tokens=6, tree_depth=3, tree_top_k=2)
+        res["tree_identical"] = bool(torch.equal(out, ref))
         with torch.no_grad():
             draft.bind_target(target)
             logits = draft(input_ids=probe["input_ids"], target_features=probe["features"]).logits
@@ -220,6 +232,7 @@ def test_bundle_runs_without_hf_eagle3(isolated_run):
         assert res["class"] == "Eagle3DraftModel", name
         assert res["module"].startswith("transformers_modules."), (name, res["module"])
         assert res["identical"], name
+        assert res["batched_identical"] and res["batched_identical_tree"] and res["tree_identical"], (name, res)
         assert res["tokens"] == ref, name  # same as the target alone in THIS process, too
         assert res["num_drafts"] and res["num_drafts"] > 0, name  # EAGLE-3 decoding really ran
         assert res["probe_max_abs_diff"] < 1e-5, (name, res["probe_max_abs_diff"])  # other thread count

@@ -313,7 +313,6 @@ def test_streamer_gets_exactly_the_output():
         (tree(4, 0, 8), "tree_depth"),
         (tree(0, 4, 8), "tree_top_k"),
         (tree(4, 4, "big"), "tree_total_tokens"),
-        (tree(4, 4, 8) | {"input_ids": prompt(5).repeat(2, 1)}, "batch"),
     ],
 )
 def test_bad_settings_fail_before_work(kwargs, message, monkeypatch):
