@@ -30,6 +30,7 @@ from .target_cache import batch_tree_mask, compact, decoding_cache, gather_entri
 from .tree_drafter import DraftTree, Eagle3TreeDrafter
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
+TREE_AUTO_BATCHED = 16  # nodes per row when a batched call asks for tree_total_tokens="auto" (see docs/batching.md)
 
 
 @dataclass(eq=False)
@@ -76,9 +77,6 @@ def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None) -> Eag
                         draft_feed={m: rows * s for m, s in single.draft_feed.items()},
                         draft_step=rows * single.draft_step)
     return Eagle3DraftLengthPolicy.from_carried(costs, carried)
-
-
-TREE_AUTO_BATCHED = 16  # nodes per row when a batched call asks for tree_total_tokens="auto" (see docs/batching.md)
 
 
 def check_batch(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> torch.Tensor:
