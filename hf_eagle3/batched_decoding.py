@@ -169,6 +169,7 @@ def eagle3_batched_decoding(
     cache_key, cache = decoding_cache(model_kwargs, generation_config, "Batched EAGLE-3 decoding")
     attention_mask = model_kwargs.get("attention_mask")
     pads = check_batch(input_ids, attention_mask, generation_config, cache, shape["total"] + 1)
+    window = min([layer.sliding_window for layer in cache.layers if sliding_layer(layer)], default=float("inf"))
     run = _BatchRun(draft)
     call.generator = run
     if shape["auto"]:
@@ -221,8 +222,9 @@ def eagle3_batched_decoding(
             round_shape = dict(shape, depth=k, total=k)
         trees = [_draft(row, round_shape, max_length) for row in rows]
         nodes = max(t.tokens.shape[0] for t in trees)
-        if valid.shape[1] + nodes > 2 * int(positions.max()) + COMPACT_SLACK:
-            valid = compact(cache, valid)  # holes make the cache far longer than its longest row
+        longest = int(positions.max())
+        if valid.shape[1] + nodes > min(2 * longest + COMPACT_SLACK, window - 1):
+            valid = compact(cache, valid)  # holes make the cache far longer than its longest row, or near the window
         # ---- verify
         start = valid.shape[1]
         tokens = torch.stack([_padded(t.tokens, nodes) for t in trees]).to(device)

@@ -163,6 +163,23 @@ def test_auto_schedule_is_lossless_with_its_own_choices():
     assert torch.equal(out, ref)
 
 
+def test_sliding_window_target_compacts_before_the_window(monkeypatch):
+    """With a window just above max_length + a round, holes alone would push entries out of it: the loop compacts
+    first, and every row stays exact."""
+    calls = []
+    original = batched_decoding.compact
+    monkeypatch.setattr(batched_decoding, "compact", lambda cache, valid: calls.append(1) or original(cache, valid))
+    config = batch_target("gemma3").config
+    target = AutoModelForCausalLM.from_config(Gemma3TextConfig(**{**config.to_dict(), "sliding_window": 48})).eval()
+    target.load_state_dict(batch_target("gemma3").state_dict())
+    target.generation_config.eos_token_id = None
+    draft = tiny_draft(target)
+    ids, mask = padded_batch((4, 13, 8, 2, 10), seed=11)
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=28)
+    out = oracle_generate(target, draft, ids, mask, ref, max_new_tokens=28, **CHAIN)
+    assert torch.equal(out, ref) and calls
+
+
 def test_compaction_keeps_rows_exact(monkeypatch):
     monkeypatch.setattr(batched_decoding, "COMPACT_SLACK", -1000)  # compact every round
     calls = []
