@@ -164,124 +164,194 @@ def eagle3_batched_decoding(
 
     if streamer is not None:
         raise ValueError("Transformers' streamers take one sequence; stream with a batch of one.")
-    draft, capture = call.draft, call.capture
-    shape = _round_shape(call, draft)
-    cache_key, cache = decoding_cache(model_kwargs, generation_config, "Batched EAGLE-3 decoding")
-    attention_mask = model_kwargs.get("attention_mask")
-    pads = check_batch(input_ids, attention_mask, generation_config, cache, shape["total"] + 1)
-    window = min([layer.sliding_window for layer in cache.layers if sliding_layer(layer)], default=float("inf"))
-    run = _BatchRun(draft)
-    call.generator = run
-    if shape["auto"]:
-        run.policy = batch_policy(model, draft, input_ids, getattr(draft, "_draft_length_state", None))
-        capture.clear()  # the timing forwards (once per target and batch size) went through the hooks
-
-    do_sample = bool(generation_config.do_sample)
-    max_length = generation_config.max_length
-    eos = getattr(generation_config, "_eos_token_tensor", None)
-    eos = set() if eos is None else set(eos.view(-1).tolist())
-    processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
-    device, dtype = input_ids.device, model.dtype
-    batch_size = input_ids.shape[0]
-    drafter_class = drafter_class or Eagle3TreeDrafter
-
-    # ---- prefill: the padded prompts in one forward, the first token of each row, the draft's first features
-    last = prefill(model, input_ids, model_kwargs, cache)
-    scores = processors(input_ids, last) if processors is not None else last
-    first = torch.multinomial(scores.softmax(-1), 1)[:, 0] if do_sample else scores.argmax(-1)
-    features = capture.features(draft.fc.weight.device, draft.fc.weight.dtype)
-    capture.clear()
-    valid = (attention_mask.bool() if attention_mask is not None
-             else torch.ones(input_ids.shape, dtype=torch.bool, device=device))
-    positions = valid.sum(-1)  # position of each row's next token (its root): real tokens so far
-    rows = []
-    for b, token in enumerate(first.tolist()):
-        ids = input_ids[b].tolist() + [token]
-        p = int(pads[b])
-        tokens = torch.tensor(ids[p + 1 :], dtype=torch.long, device=draft.fc.weight.device)
-        row = _Row(b, ids, drafter_class(draft))
-        row.drafter.state.add(features[b : b + 1, p:], tokens)
-        row.scores.append(scores[b : b + 1])
-        row.logits.append(last[b : b + 1])
-        row.stats.record(0, 0)
-        rows.append(row)
-    finished = [None] * len(rows)
-    rows = _retire(rows, finished, stopping_criteria, eos, max_length, device)
-    keep = torch.tensor([r.index for r in rows], dtype=torch.long)
-    if len(rows) < len(finished):
-        keep_rows(cache, keep.to(device))
-        valid, positions = valid[keep.to(device)], positions[keep.to(device)]
-
-    while rows:
-        # ---- draft
+    loop = _BatchLoop(model, call, drafter_class or Eagle3TreeDrafter, input_ids, logits_processor, stopping_criteria,
+                      generation_config, model_kwargs)
+    loop.prefill()
+    while loop.rows:
         started = time.perf_counter()
-        round_shape, feed = shape, 0
-        if run.policy is not None:
-            feed = round(sum(row.drafter.state.num_pending for row in rows) / len(rows))
-            k = run.policy.choose(shape["depth"], feed=feed)
-            round_shape = dict(shape, depth=k, total=k)
-        trees = [_draft(row, round_shape, max_length) for row in rows]
+        trees, drafted, feed = loop.draft()
+        logits, features, start = loop.verify(trees)
+        kept = loop.accept(trees, logits, features)
+        loop.commit(kept, start)
+        loop.retire()
+        loop.observe(trees, kept, drafted, feed, time.perf_counter() - started)
+    return _outputs(loop.finished, generation_config, input_ids, loop.run, GenerateDecoderOnlyOutput)
+
+
+class _BatchLoop:
+    r"""
+    The state of one batched ``generate`` call and its steps (see :func:`eagle3_batched_decoding`).
+
+    The target cache's rows carry a validity mask (``valid`` [B, T]: left padding and holes are False) and each row's
+    next position (``positions`` [B]: its real tokens so far); ``rows`` are the unfinished rows, in cache order.
+
+    Args:
+        model (`PreTrainedModel`): the target.
+        call: the active EAGLE-3 call (draft, feature capture, settings).
+        drafter_class (`type`): the drafter of each row.
+        input_ids (`torch.LongTensor` [B, L]): the left-padded prompts.
+        logits_processor (`LogitsProcessorList`): the call's processors.
+        stopping_criteria (`StoppingCriteriaList`): the call's stopping criteria.
+        generation_config (`GenerationConfig`): the call's config.
+        model_kwargs (`dict`): the prepared model kwargs.
+    """
+
+    def __init__(self, model, call, drafter_class, input_ids, logits_processor, stopping_criteria, generation_config,
+                 model_kwargs):
+        self.model, self.model_kwargs, self.input_ids = model, model_kwargs, input_ids
+        self.draft_model, self.capture, self.drafter_class = call.draft, call.capture, drafter_class
+        self.shape = _round_shape(call, self.draft_model)
+        self.cache_key, self.cache = decoding_cache(model_kwargs, generation_config, "Batched EAGLE-3 decoding")
+        self.attention_mask = model_kwargs.get("attention_mask")
+        self.pads = check_batch(input_ids, self.attention_mask, generation_config, self.cache, self.shape["total"] + 1)
+        self.window = min([layer.sliding_window for layer in self.cache.layers if sliding_layer(layer)],
+                          default=float("inf"))
+        self.run = _BatchRun(self.draft_model)
+        call.generator = self.run
+        if self.shape["auto"]:
+            self.run.policy = batch_policy(model, self.draft_model, input_ids,
+                                           getattr(self.draft_model, "_draft_length_state", None))
+            self.capture.clear()  # the timing forwards (once per target and batch size) went through the hooks
+        self.stopping_criteria = stopping_criteria
+        self.do_sample = bool(generation_config.do_sample)
+        self.max_length = generation_config.max_length
+        eos = getattr(generation_config, "_eos_token_tensor", None)
+        self.eos = set() if eos is None else set(eos.view(-1).tolist())
+        self.processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
+        self.device, self.dtype = input_ids.device, model.dtype
+        self.rows, self.finished = [], [None] * input_ids.shape[0]
+        self.valid = self.positions = None
+
+    def _features(self) -> torch.Tensor:
+        """The target features of its last forward, on the draft's device and in its dtype (the capture cleared)."""
+        weight = self.draft_model.fc.weight
+        features = self.capture.features(weight.device, weight.dtype)
+        self.capture.clear()
+        return features
+
+    def prefill(self) -> None:
+        """The padded prompts in one forward: each row's first token, and its prompt's features for its draft."""
+        input_ids, processors = self.input_ids, self.processors
+        last = prefill(self.model, input_ids, self.model_kwargs, self.cache)
+        scores = processors(input_ids, last) if processors is not None else last
+        first = torch.multinomial(scores.softmax(-1), 1)[:, 0] if self.do_sample else scores.argmax(-1)
+        features = self._features()
+        self.valid = (self.attention_mask.bool() if self.attention_mask is not None
+                      else torch.ones(input_ids.shape, dtype=torch.bool, device=self.device))
+        self.positions = self.valid.sum(-1)  # position of each row's next token (its root): real tokens so far
+        for b, token in enumerate(first.tolist()):
+            ids = input_ids[b].tolist() + [token]
+            p = int(self.pads[b])
+            row = _Row(b, ids, self.drafter_class(self.draft_model))
+            row.drafter.state.add(features[b : b + 1, p:], torch.tensor(ids[p + 1 :], device=features.device))
+            row.scores.append(scores[b : b + 1])
+            row.logits.append(last[b : b + 1])
+            row.stats.record(0, 0)
+            self.rows.append(row)
+        self.retire()
+
+    def draft(self) -> tuple[list, int, int]:
+        """Each row's draft consumes its verified positions and drafts its tree (one length for all with "auto").
+
+        Returns:
+            ``(trees, drafted, feed)``: one `DraftTree` per row, the draft length asked for, the mean positions fed.
+        """
+        shape, feed, policy = self.shape, 0, self.run.policy
+        if policy is not None:
+            feed = round(sum(row.drafter.state.num_pending for row in self.rows) / len(self.rows))
+            k = policy.choose(shape["depth"], feed=feed)
+            shape = dict(shape, depth=k, total=k)
+        return [_draft(row, shape, self.max_length) for row in self.rows], shape["depth"], feed
+
+    def verify(self, trees: list) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One target forward of every row's tree (compacting the cache first when holes made it too long).
+
+        Returns:
+            ``(logits [B, N, V] float32, features [B, N, 3T], start)``: ``start`` is where the forward's entries begin
+            in the cache.
+        """
         nodes = max(t.tokens.shape[0] for t in trees)
-        longest = int(positions.max())
-        if valid.shape[1] + nodes > min(2 * longest + COMPACT_SLACK, window - 1):
-            valid = compact(cache, valid)  # holes make the cache far longer than its longest row, or near the window
-        # ---- verify
-        start = valid.shape[1]
-        tokens = torch.stack([_padded(t.tokens, nodes) for t in trees]).to(device)
+        longest = int(self.positions.max())
+        if self.valid.shape[1] + nodes > min(2 * longest + COMPACT_SLACK, self.window - 1):
+            self.valid = compact(self.cache, self.valid)  # far longer than the longest row, or near the window
+        start, device = self.valid.shape[1], self.device
         depths = torch.stack([_padded(t.depths, nodes) for t in trees]).to(device)
-        outputs = model(
-            input_ids=tokens,
-            position_ids=positions[:, None] + depths,
-            attention_mask=batch_tree_mask(cache, valid, trees, nodes, dtype),
+        outputs = self.model(
+            input_ids=torch.stack([_padded(t.tokens, nodes) for t in trees]).to(device),
+            position_ids=self.positions[:, None] + depths,
+            attention_mask=batch_tree_mask(self.cache, self.valid, trees, nodes, self.dtype),
             use_cache=True,
-            **{cache_key: cache},
+            **{self.cache_key: self.cache},
         )
         logits = outputs.logits[:, -nodes:].to(dtype=torch.float32, device=device)
-        features = capture.features(draft.fc.weight.device, draft.fc.weight.dtype)
-        capture.clear()
-        del outputs
-        argmax = logits.argmax(-1).tolist() if processors is None and not do_sample else None
-        # ---- accept
+        return logits, self._features(), start
+
+    def accept(self, trees: list, logits: torch.Tensor, features: torch.Tensor) -> list:
+        """Per row: the acceptance walk, the length limit and EOS; the row's tokens, scores, statistics and the
+        verified features for its draft are extended.
+
+        Returns:
+            `list[list[int]]`: per row, the tree nodes whose cache entries stay (the root first).
+        """
+        argmax = logits.argmax(-1).tolist() if self.processors is None and not self.do_sample else None
         kept = []
-        for b, (row, tree) in enumerate(zip(rows, trees)):
+        for b, (row, tree) in enumerate(zip(self.rows, trees)):
             n = tree.tokens.shape[0]
             host = tree.tokens.tolist()
-            walk = walk_tree(host, tree.parents.tolist(), logits[b, :n], do_sample,
+            walk = walk_tree(host, tree.parents.tolist(), logits[b, :n], self.do_sample,
                              argmax=None if argmax is None else argmax[b][:n],
-                             process=_row_processor(processors, row, batch_size, device))
-            new = clip_new_tokens([host[a] for a in walk.accepted] + [walk.bonus], max_length - len(row.ids), eos)
+                             process=_row_processor(self.processors, row, len(self.finished), self.device))
+            new = clip_new_tokens([host[a] for a in walk.accepted] + [walk.bonus], self.max_length - len(row.ids),
+                                  self.eos)
             path = [0] + walk.accepted[: len(new) - 1]
             kept.append(path)
             index = torch.tensor(path, device=features.device)
-            row.drafter.state.add(features[b : b + 1, index], torch.tensor(new, dtype=torch.long, device=features.device))
+            row.drafter.state.add(features[b : b + 1, index], torch.tensor(new, device=features.device))
             row.ids += new
             row.scores += walk.scores[: len(new)]
             row.logits += walk.logits[: len(new)]
             row.stats.record(int(tree.depths.max()), len(new) - 1)
-        # ---- commit: each row keeps its accepted path; shorter paths leave holes
+        return kept
+
+    def commit(self, kept: list, start: int) -> None:
+        """The target cache keeps each row's accepted path; a shorter path than the longest leaves holes."""
         width = max(len(p) for p in kept)
-        index = torch.zeros(len(rows), width, dtype=torch.long)
-        block = torch.zeros(len(rows), width, dtype=torch.bool)
+        index = torch.zeros(len(kept), width, dtype=torch.long)
+        block = torch.zeros(len(kept), width, dtype=torch.bool)
         for b, p in enumerate(kept):
             index[b, : len(p)] = torch.tensor(p)
             block[b, : len(p)] = True
-        gather_entries(cache, index.to(device), start)
-        valid = torch.cat([valid, block.to(device)], dim=1)
-        positions = positions + block.sum(-1).to(device)
-        # ---- retire finished rows
-        remaining = _retire(rows, finished, stopping_criteria, eos, max_length, device)
-        if len(remaining) < len(rows):
-            keep = torch.tensor([i for i, r in enumerate(rows) if r in remaining], dtype=torch.long, device=device)
-            keep_rows(cache, keep)
-            valid, positions = valid[keep], positions[keep]
-        if run.policy is not None:
-            drafted = round_shape["depth"]
-            for tree, path in zip(trees, kept):
-                run.policy.observe(int(tree.depths.max()), len(path) - 1)
-            run.policy.observe_time(drafted, time.perf_counter() - started, feed=feed)
-        rows = remaining
+        gather_entries(self.cache, index.to(self.device), start)
+        self.valid = torch.cat([self.valid, block.to(self.device)], dim=1)
+        self.positions = self.positions + block.sum(-1).to(self.device)
 
-    return _outputs(finished, generation_config, input_ids, run, GenerateDecoderOnlyOutput)
+    def retire(self) -> None:
+        """Rows that are done (EOS, ``max_length`` or a stopping criterion) leave the batch and its cache."""
+        remaining = []
+        for row in self.rows:
+            done = row.ids[-1] in self.eos or len(row.ids) >= self.max_length
+            if not done:
+                ids = torch.tensor([row.ids], dtype=torch.long, device=self.device)
+                done = bool(self.stopping_criteria(ids, None).all())
+            if done:
+                self.finished[row.index] = row
+            else:
+                remaining.append(row)
+        if len(remaining) < len(self.rows):
+            keep = torch.tensor([i for i, r in enumerate(self.rows) if r in remaining], dtype=torch.long,
+                                device=self.device)
+            keep_rows(self.cache, keep)
+            self.valid, self.positions = self.valid[keep], self.positions[keep]
+        self.rows = remaining
+
+    def observe(self, trees: list, kept: list, drafted: int, feed: int, seconds: float) -> None:
+        """For "auto": the round's acceptance (every row) and wall time."""
+        policy = self.run.policy
+        if policy is None:
+            return
+        for tree, path in zip(trees, kept):
+            policy.observe(int(tree.depths.max()), len(path) - 1)
+        policy.observe_time(drafted, seconds, feed=feed)
 
 
 def _padded(values: torch.Tensor, n: int) -> torch.Tensor:
@@ -318,20 +388,6 @@ def _row_processor(processors, row: _Row, batch_size: int, device):
         return processors(ids, logits.expand(batch_size, -1).clone())[row.index : row.index + 1]
 
     return process
-
-
-def _retire(rows: list, finished: list, stopping_criteria, eos: set, max_length: int, device) -> list:
-    """Move the rows that are done (EOS, ``max_length`` or a stopping criterion) to ``finished``; return the rest."""
-    remaining = []
-    for row in rows:
-        done = row.ids[-1] in eos or len(row.ids) >= max_length
-        if not done:
-            done = bool(stopping_criteria(torch.tensor([row.ids], dtype=torch.long, device=device), None).all())
-        if done:
-            finished[row.index] = row
-        else:
-            remaining.append(row)
-    return remaining
 
 
 class _BatchRun:
