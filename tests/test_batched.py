@@ -205,10 +205,17 @@ def test_eos_early_in_some_rows_and_max_new_tokens_mid_round(settings):
     ref = target.generate(ids, **kwargs)
     lengths = [(row.index(eos) + 1 if eos in row else 24) for row in gen]
     assert min(lengths) < 24, "some row must end early"
-    out = oracle_generate(target, draft, ids, mask, free, max_new_tokens=24, eos_token_id=eos, pad_token_id=0,
-                          **settings)
+    rows_verified = []
+    forward = target.forward
+    target.forward = lambda *a, **k: rows_verified.append(k["input_ids"].shape[0]) or forward(*a, **k)
+    try:
+        out = oracle_generate(target, draft, ids, mask, free, max_new_tokens=24, eos_token_id=eos, pad_token_id=0,
+                              **settings)
+    finally:
+        del target.forward
     assert torch.equal(out, ref)
     assert [s.num_output_tokens for s in draft.last_batch_stats] == lengths
+    assert rows_verified[0] == 4 and rows_verified[-1] < 4  # finished rows left the batch: they stop costing
     for n in (1, 3, 7):  # max_new_tokens reached inside a round
         out = oracle_generate(target, draft, ids, mask, free, max_new_tokens=n, **settings)
         assert torch.equal(out, free[:, : ids.shape[1] + n])
@@ -340,7 +347,8 @@ def test_batched_negative_control_detects_broken_acceptance(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ real model
 CHAT = ["Write a haiku about autumn.", "Give me two tips for learning Python.", "What is 17 times 23?",
-        "Name three rivers in Europe and one fact about each."]
+        "Name three rivers in Europe and one fact about each.", "Translate 'good morning' into French.",
+        "Write a Python function that reverses a string.", "Why is the sky blue?", "List four prime numbers."]
 
 
 @pytest.mark.slow
@@ -352,10 +360,12 @@ def test_smollm2_batched_greedy_identity(smollm2):
     texts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
              for c in CHAT]
     tok.padding_side = "left"
-    enc = tok(texts, return_tensors="pt", padding=True)
-    kwargs = dict(attention_mask=enc.attention_mask, do_sample=False, max_new_tokens=48)
-    ref = target.generate(enc.input_ids, **kwargs)
-    for settings in (dict(num_assistant_tokens=5), TREE):
-        out = target.generate(enc.input_ids, assistant_model=draft, **kwargs, **settings)
-        assert torch.equal(out, ref), settings
-        assert draft.last_stats.mean_acceptance_length > 1.2
+    for rows, settings in ((2, dict(num_assistant_tokens=5)), (4, TREE), (8, dict(num_assistant_tokens=3)), (8, {})):
+        enc = tok(texts[:rows], return_tensors="pt", padding=True)
+        kwargs = dict(attention_mask=enc.attention_mask, do_sample=False, max_new_tokens=40)
+        ref = target.generate(enc.input_ids, **kwargs)
+        out = target.generate(enc.input_ids, assistant_model=draft, **kwargs, **settings)  # {}: the saved "auto"
+        assert torch.equal(out, ref), (rows, settings)
+        assert len(draft.last_batch_stats) == rows
+        if settings:
+            assert draft.last_stats.mean_acceptance_length > 1.2
