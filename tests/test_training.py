@@ -323,6 +323,14 @@ def test_train_cli_end_to_end_and_exports_reload(tmp_path):
         other.bind_target(target)
         torch.testing.assert_close(other(input_ids=ids, target_features=feats).logits, expected)
         assert torch.equal(target.generate(ids, assistant_model=other, max_new_tokens=12, do_sample=False), ref)
+    # Continue from it with a vocabulary rebuilt (and grown) from the data: the CLI path of --rebuild-vocab.
+    main(["train", "--target", str(tmp_path / "target"), "--data", str(data), "--out", str(tmp_path / "again"),
+          "--features-dir", str(out / "features"), "--skip-features", "--init-draft", str(out / "draft"),
+          "--rebuild-vocab", "--vocab-data", str(data), "--draft-vocab-size", "80", "--max-steps", "2",
+          "--batch-tokens", "256", "--mixed-precision", "no", "--save-dtype", "float32"])
+    again = hf_eagle3.Eagle3DraftModel.from_pretrained(tmp_path / "again" / "draft")
+    assert again.config.draft_vocab_size == 80 and again.lm_head.out_features == 80
+    assert torch.equal(target.generate(ids, assistant_model=again, max_new_tokens=12, do_sample=False), ref)
 
 
 @pytest.mark.slow
@@ -444,3 +452,35 @@ def test_prepare_writes_the_features_cache_features_would(tmp_path, do_sample):
                 features_dir=tmp_path / "bad", layer_ids=[0, 1, 99])
     assert not (tmp_path / "bad").exists()
     assert not any(layer._forward_pre_hooks for layer in target.model.layers) and not target.model._forward_hooks
+
+
+def test_remap_draft_vocab_keeps_trained_rows_and_takes_new_ones_from_the_target():
+    """``train --init-draft --rebuild-vocab``: tokens both vocabularies hold keep the draft's trained output rows
+    (their scores do not move), new tokens start from the target's rows, and the mapping is consistent."""
+    from hf_eagle3.training.vocab import remap_draft_vocab
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target, draft_vocab_size=64).float()
+    old_used = (torch.arange(64) + draft.d2t).tolist()
+    shared = old_used[:40]
+    fresh = [t for t in range(4, 256) if t not in old_used][:30]
+    counts = Counter({t: 100 for t in shared} | {t: 50 for t in fresh})
+    d2t, t2d = build_vocab_mapping(counts, 70, 256)
+    features = torch.randn(1, 3, 3 * 64)
+    ids = torch.tensor([[5, 6, 7]])
+    draft.bind_target(target)
+    before = draft(input_ids=ids, target_features=features).logits[0, -1]
+    old_rows = {t: draft.lm_head.weight[i].clone() for i, t in enumerate(old_used)}
+    head = target.lm_head.weight.detach()
+    rows = remap_draft_vocab(draft, d2t, t2d, head)
+    new_used = (torch.arange(70) + d2t).tolist()
+    assert rows == {"kept": 40, "new": 30} and draft.config.draft_vocab_size == 70 and draft.lm_head.out_features == 70
+    check_vocab_mapping(draft.d2t, draft.t2d)
+    for i, t in enumerate(new_used):
+        expected = old_rows[t] if t in old_rows else head[t]
+        torch.testing.assert_close(draft.lm_head.weight[i], expected, rtol=0, atol=0)
+    after = draft(input_ids=ids, target_features=features).logits[0, -1]
+    for t in shared:  # the same hidden state, the same row: the same score
+        torch.testing.assert_close(after[new_used.index(t)], before[old_used.index(t)], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="same target"):
+        remap_draft_vocab(draft, *build_vocab_mapping(Counter({5: 1}), 10, 300), head)

@@ -174,6 +174,17 @@ def cmd_train(args) -> None:
 
         draft = Eagle3DraftModel.from_pretrained(args.init_draft, dtype=torch.float32)
         check_draft_matches_features(draft, features_dir, head)  # before anything is written
+        if args.rebuild_vocab:
+            from .vocab import remap_draft_vocab
+
+            counts = count_tokens(r["response_ids"] for r in records)
+            for extra in args.vocab_data or []:
+                counts.update(count_tokens(r["response_ids"] for r in iter_records(extra)))
+            before = coverage(counts, draft.d2t.cpu())
+            d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
+            rows = remap_draft_vocab(draft, d2t, t2d, head["lm_head"])
+            print(f"draft vocab rebuilt from {sum(counts.values())} response tokens: covers {before:.4f} -> "
+                  f"{coverage(counts, d2t):.4f} of them; {rows['kept']} rows kept, {rows['new']} from the target")
     else:
         vocab_file = out / "vocab.pt"
         if not vocab_file.exists() and state.is_main_process:
@@ -304,6 +315,13 @@ def register(subparsers) -> None:
                    help="where the target runs for the feature pass (default: cuda:LOCAL_RANK if CUDA, else cpu)")
     t.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="draft vocabulary: the most frequent response tokens (default 8192)")
+    t.add_argument("--rebuild-vocab", action="store_true",
+                   help="with --init-draft: rebuild the draft vocabulary (--draft-vocab-size tokens) from the "
+                        "responses of --data and --vocab-data, keeping the trained rows of tokens it already had "
+                        "(default: keep the init draft's vocabulary)")
+    t.add_argument("--vocab-data", nargs="*", default=None,
+                   help="more response directories (of `prepare`) whose tokens count for --rebuild-vocab "
+                        "(default: none, --data only)")
     t.add_argument("--init-draft", default=None,
                    help="start from this trained draft instead of a new one (default: a new draft)")
     t.add_argument("--ttt-length", type=int, default=7, help="draft steps unrolled per position (default 7)")

@@ -66,3 +66,47 @@ def coverage(counts: Counter, d2t: torch.Tensor) -> float:
     used = set((torch.arange(d2t.shape[0]) + d2t).tolist())
     total = sum(counts.values())
     return sum(c for t, c in counts.items() if t in used) / total if total else 0.0
+
+
+def remap_draft_vocab(draft, d2t: torch.Tensor, t2d: torch.Tensor, target_lm_head: torch.Tensor) -> dict:
+    """Give a trained draft a new vocabulary (e.g. one rebuilt from more data), keeping what it learnt.
+
+    The output row of a token that both vocabularies hold is the draft's trained row; a token new to the draft starts
+    from the target's own output row (as :func:`~hf_eagle3.training.trainer.init_draft` does). The draft vocabulary
+    size may change.
+
+    Args:
+        draft (`Eagle3DraftModel`): the trained draft (modified in place: ``lm_head``, ``d2t``, ``t2d``, config).
+        d2t (`torch.Tensor`): the new mapping's offsets ``[new_draft_vocab_size]``.
+        t2d (`torch.Tensor`): the new membership ``[target_vocab_size]``.
+        target_lm_head (`torch.Tensor`): the target's output embedding ``[target_vocab_size, H]``.
+
+    Returns:
+        ``{"kept": n, "new": m}``: rows carried over from the draft, rows taken from the target.
+    """
+    check_vocab_mapping(d2t, t2d)
+    if t2d.shape[0] != draft.t2d.shape[0]:
+        raise ValueError(f"the new mapping covers {t2d.shape[0]} target tokens, the draft's target has "
+                         f"{draft.t2d.shape[0]}: build it for the same target")
+    if getattr(draft, "lm_head", None) is None:
+        raise ValueError("this draft has no lm_head of its own (it reads the target's): nothing to remap")
+    old_used = (torch.arange(draft.d2t.shape[0]) + draft.d2t.cpu()).tolist()
+    old_row = {t: i for i, t in enumerate(old_used)}
+    new_used = (torch.arange(d2t.shape[0]) + d2t).tolist()
+    old_weight = draft.lm_head.weight.detach()
+    rows, kept = [], 0
+    for t in new_used:
+        if t in old_row:
+            rows.append(old_weight[old_row[t]])
+            kept += 1
+        else:
+            rows.append(target_lm_head[t].to(old_weight.dtype))
+    weight = torch.stack(rows).to(old_weight.device)
+    with torch.no_grad():
+        draft.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False).to(old_weight.device,
+                                                                                         old_weight.dtype)
+        draft.lm_head.weight.copy_(weight)
+        draft.d2t = d2t.to(draft.d2t.device)
+        draft.t2d = t2d.to(draft.t2d.device)
+    draft.config.draft_vocab_size = int(d2t.shape[0])
+    return {"kept": kept, "new": len(new_used) - kept}
