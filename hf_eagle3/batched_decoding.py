@@ -121,18 +121,13 @@ def eagle3_batched_decoding(
     logits_processor,
     stopping_criteria,
     generation_config,
-    synced_gpus: bool = False,
+    model_kwargs: dict,
     streamer=None,
-    inputs_tensor=None,
-    assistant_model=None,
-    assistant_tokenizer=None,
-    tokenizer=None,
     drafter_class=None,
-    **model_kwargs,
 ):
     r"""
-    EAGLE-3 decoding of a left-padded batch (chains or trees); takes ``GenerationMixin._assisted_decoding``'s
-    arguments.
+    EAGLE-3 decoding of a left-padded batch (chains or trees), run in place of ``GenerationMixin._assisted_decoding``
+    with the arguments Transformers prepared for it (see :func:`~hf_eagle3.generate_hook.loop_arguments`).
 
     Each round, in order: **draft** (each unfinished row's draft consumes its verified features and drafts a chain or
     a tree), **verify** (one target forward of every row's nodes: 4D mask over the row's valid cache entries and its
@@ -151,9 +146,7 @@ def eagle3_batched_decoding(
             ``output_scores``, ``output_logits``.
         streamer: must be ``None`` (Transformers' streamers take one row; the generate hook refuses them before).
         drafter_class (`type`, *optional*): the drafter of each row (default :class:`Eagle3TreeDrafter`).
-        model_kwargs: the prepared model kwargs (``cache``, ``attention_mask``, ...).
-
-    The other arguments of ``_assisted_decoding`` are accepted and ignored.
+        model_kwargs (`dict`): the prepared model kwargs (``cache``, ``attention_mask``, ...).
 
     Returns:
         `torch.LongTensor` [B, L + new], or a `GenerateDecoderOnlyOutput` when ``return_dict_in_generate`` (its

@@ -201,13 +201,35 @@ def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
     call = _ACTIVE.get()
     if call is None:
         return original(model, *args, **kwargs)
-    ids = args[0] if args else kwargs.get("input_ids")
-    drafter_class = _TREE_DRAFTER_CLASS.get() or Eagle3TreeDrafter
-    if ids is not None and ids.shape[0] > 1:
-        return eagle3_batched_decoding(model, call, *args, drafter_class=drafter_class, **kwargs)
-    if getattr(call, "tree", None) is None:
+    named = loop_arguments(original, model, args, kwargs)
+    batched = named["input_ids"].shape[0] > 1
+    if not batched and getattr(call, "tree", None) is None:
         return original(model, *args, **kwargs)
-    return eagle3_tree_decoding(model, call, *args, drafter_class=drafter_class, **kwargs)
+    loop = eagle3_batched_decoding if batched else eagle3_tree_decoding
+    return loop(model, call, **named, drafter_class=_TREE_DRAFTER_CLASS.get() or Eagle3TreeDrafter)
+
+
+LOOP_ARGUMENTS = ("input_ids", "logits_processor", "stopping_criteria", "generation_config", "streamer")
+
+
+def loop_arguments(original, model, args: tuple, kwargs: dict) -> dict:
+    """
+    The arguments of Transformers' ``_assisted_decoding`` call that the EAGLE-3 loops read, by name:
+    :data:`LOOP_ARGUMENTS` and ``model_kwargs`` (the prepared model inputs: cache, attention mask, ...). The others
+    (``synced_gpus``, ``inputs_tensor``, ``assistant_model``, the tokenizers) do not concern them.
+
+    Args:
+        original (`Callable`): Transformers' ``GenerationMixin._assisted_decoding``.
+        model (`PreTrainedModel`): the target.
+        args (`tuple`): the call's positional arguments (after ``self``).
+        kwargs (`dict`): its keyword arguments.
+    """
+    signature = inspect.signature(original)
+    bound = signature.bind(model, *args, **kwargs).arguments
+    var_keyword = next(p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD)
+    named = {name: bound.get(name) for name in LOOP_ARGUMENTS}
+    named["model_kwargs"] = dict(bound.get(var_keyword, {}))
+    return named
 
 
 def _eagle3_assisted_decoding(original):
@@ -241,14 +263,18 @@ def install_generate_hook() -> None:
             f"hf_eagle3 cannot hook transformers {transformers.__version__}: GenerationMixin lacks {missing}. "
             "Install a supported version (see hf_eagle3's pyproject.toml, transformers>=5.0)."
         )
-    params = inspect.signature(mixin._get_candidate_generator).parameters
-    if not {"generation_config", "input_ids", "logits_processor", "assistant_model"} <= set(params):
-        import transformers
+    expected = {"_get_candidate_generator": {"generation_config", "input_ids", "logits_processor", "assistant_model"},
+                "_assisted_decoding": set(LOOP_ARGUMENTS)}
+    for name, needed_params in expected.items():
+        params = inspect.signature(getattr(mixin, name)).parameters.values()
+        has_kwargs = name != "_assisted_decoding" or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        if not needed_params <= {p.name for p in params} or not has_kwargs:
+            import transformers
 
-        raise RuntimeError(
-            f"hf_eagle3 cannot hook transformers {transformers.__version__}: unexpected signature of "
-            "GenerationMixin._get_candidate_generator. Install a supported version (see pyproject.toml)."
-        )
+            raise RuntimeError(
+                f"hf_eagle3 cannot hook transformers {transformers.__version__}: unexpected signature of "
+                f"GenerationMixin.{name}. Install a supported version (see pyproject.toml)."
+            )
     if not _hooked(mixin.generate):
         mixin.generate = _eagle3_generate(mixin.generate)
     if not _hooked(mixin._get_candidate_generator):

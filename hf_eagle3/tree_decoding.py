@@ -278,17 +278,13 @@ def eagle3_tree_decoding(
     logits_processor,
     stopping_criteria,
     generation_config,
-    synced_gpus: bool = False,
+    model_kwargs: dict,
     streamer=None,
-    inputs_tensor=None,
-    assistant_model=None,
-    assistant_tokenizer=None,
-    tokenizer=None,
     drafter_class=None,
-    **model_kwargs,
 ):
     r"""
-    The decoding loop of EAGLE-3 with dynamic trees; takes ``GenerationMixin._assisted_decoding``'s arguments.
+    The decoding loop of EAGLE-3 with dynamic trees, run in place of ``GenerationMixin._assisted_decoding`` with the
+    arguments Transformers prepared for it (see :func:`~hf_eagle3.generate_hook.loop_arguments`).
 
     Prefill with the target; then each round: the draft consumes the verified features and drafts a tree; the target
     verifies all its nodes in one forward (4D tree mask, depth-based positions); the longest path the target agrees
@@ -308,10 +304,7 @@ def eagle3_tree_decoding(
             ``output_scores``, ``output_logits``.
         streamer (`BaseStreamer`, *optional*): receives each round's new tokens.
         drafter_class (`type`, *optional*): the tree drafter class (default :class:`Eagle3TreeDrafter`).
-        model_kwargs: the prepared model kwargs (``cache``, ``attention_mask``, ``position_ids``, ...).
-
-    The other arguments of ``_assisted_decoding`` (``synced_gpus``, ``inputs_tensor``, ``assistant_model``,
-    ``assistant_tokenizer``, ``tokenizer``) are accepted and ignored.
+        model_kwargs (`dict`): the prepared model kwargs (``cache``, ``attention_mask``, ``position_ids``, ...).
 
     Returns:
         `torch.LongTensor` of the sequences, or a `GenerateDecoderOnlyOutput` when ``return_dict_in_generate``.
