@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="draft tokens per round k (default: the draft's generation config)")
     parser.add_argument("--max_num_seqs", type=int, default=1,
                         help="sequences decoded at once, as one left-padded batch (default 1)")
+    parser.add_argument("--tree", default=None, metavar="TOPKxDEPTHxTOTAL",
+                        help="draft dynamic trees of this shape (e.g. 4x5x16) instead of chains (default: chains)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--max_new_tokens", type=int, default=256, help="new tokens per prompt (default 256)")
     parser.add_argument("--target", default=None, help="target Hub id or directory (default: SmolLM2-135M-Instruct)")
@@ -114,10 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     draft, draft_name, _ = load_draft(args.draft, target)
     k = args.num_spec_tokens or draft.generation_config.num_assistant_tokens
     gen = {"max_new_tokens": args.max_new_tokens, "do_sample": args.temperature > 0}
+    if args.tree:
+        top_k, depth, total = (int(x) for x in args.tree.lower().split("x"))
+        gen.update(tree_top_k=top_k, tree_depth=depth, tree_total_tokens=total)
     if args.temperature > 0:
         gen.update(temperature=args.temperature, top_k=0, top_p=1.0)
-    print(f"target: {args.target or 'SmolLM2-135M-Instruct'}  draft: {draft_name}  num_spec_tokens: {k}",
-          file=sys.stderr)
+    print(f"target: {args.target or 'SmolLM2-135M-Instruct'}  draft: {draft_name}  "
+          + (f"tree: {args.tree}" if args.tree else f"num_spec_tokens: {k}"), file=sys.stderr)
 
     draft.reset_stats()
     outputs, per_prompt = [], []
@@ -158,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         import json
 
         stats = draft.cumulative_stats.to_dict()
-        stats.update(prompts=len(prompts), num_spec_tokens=k, max_new_tokens=args.max_new_tokens,
+        stats.update(prompts=len(prompts), num_spec_tokens=None if args.tree else k, tree=args.tree,
+                     max_new_tokens=args.max_new_tokens,
                      temperature=args.temperature, draft=draft_name, output_tokens_per_s=output_tokens / elapsed)
         stats["by_category"] = {c: dict(s.to_dict(), prompts=n) for c, (s, n) in by_category.items()}
         stats["per_prompt_mean_acceptance_length"] = [s.mean_acceptance_length if s else None for s in per_prompt]
