@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt_stride", type=int, default=1,
                         help="use every n-th prompt of the dataset (e.g. 2: half of each MT-bench category)")
     parser.add_argument("--json_out", default=None, help="also write the statistics to this JSON file")
+    parser.add_argument("--compare_plain", action="store_true",
+                        help="also decode every prompt with the target alone and count the outputs that are identical "
+                             "(greedy; not timed in the speeds) (default: off)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="weight dtype (default float32)")
     parser.add_argument("--device", default=None, help="cpu (default), cuda, ...")
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f"tree: {args.tree}" if args.tree else f"num_spec_tokens: {k}"), file=sys.stderr)
 
     draft.reset_stats()
-    outputs, per_prompt = [], []
+    outputs, per_prompt, identical = [], [], []
     input_tokens = output_tokens = 0
     start = time.perf_counter()
     bar = tqdm(total=len(prompts), desc="Processed prompts", unit="prompt")
@@ -138,9 +141,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(args.seed + i)
         out = target.generate(ids, attention_mask=mask, assistant_model=draft,
                               num_assistant_tokens=k, num_assistant_tokens_schedule="constant", **gen)
-        for new in new_tokens(out, ids.shape[1], eos):
+        rows = new_tokens(out, ids.shape[1], eos)
+        for new in rows:
             outputs.append(tokenizer.decode(new, skip_special_tokens=True))
             output_tokens += len(new)
+        if args.compare_plain:
+            paused = time.perf_counter()
+            torch.manual_seed(args.seed + i)
+            plain = target.generate(ids, attention_mask=mask, **gen)
+            identical += [a == b for a, b in zip(rows, new_tokens(plain, ids.shape[1], eos))]
+            start += time.perf_counter() - paused  # the plain decode is not part of the speeds
         per_prompt += draft.last_batch_stats
         input_tokens += int(mask.sum())
         elapsed = time.perf_counter() - start
@@ -153,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         print("-" * 50)
         print(f"prompt: {prompt}\ngenerated text: {text}")
     print(draft.cumulative_stats.report())
+    if args.compare_plain:
+        print(f"outputs identical to the target alone: {sum(identical)}/{len(identical)}")
     by_category = acceptance_by_category(categories, per_prompt)
     if by_category:
         print("mean acceptance length by category:")
@@ -168,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                      temperature=args.temperature, draft=draft_name, output_tokens_per_s=output_tokens / elapsed)
         stats["by_category"] = {c: dict(s.to_dict(), prompts=n) for c, (s, n) in by_category.items()}
         stats["per_prompt_mean_acceptance_length"] = [s.mean_acceptance_length if s else None for s in per_prompt]
+        if args.compare_plain:
+            stats["identical_to_plain"] = {"identical": sum(identical), "compared": len(identical)}
         with open(args.json_out, "w") as f:
             json.dump(stats, f, indent=2)
     return 0
