@@ -28,16 +28,18 @@ def main(argv=None) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (FormatStrFormatter)
 
     runs = json.load(open(args.data))["runs"]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     xs = [r["response_tokens"] / 1e6 for r in runs]
     ys = [r["mean_acceptance_length"] for r in runs]
     ax.plot(xs, ys, "o-", color="tab:blue")
-    for r, x, y in zip(runs, xs, ys):
+    for i, (r, x, y) in enumerate(zip(runs, xs, ys)):  # labels alternate below / above, so neighbours do not overlap
         ax.annotate(f"{r['name']}\n{r['passes']:.1f} passes, {r['cpu_minutes']} CPU min", (x, y),
-                    textcoords="offset points", xytext=(6, -22), fontsize=7)
+                    textcoords="offset points", xytext=(-150, 4) if i % 2 else (6, -22), fontsize=7)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
     ax.set_xlabel("response tokens trained on (millions, log scale)")
     ax.set_ylabel("MT-bench mean acceptance length (k = 5)")
     ax.set_title("SmolLM2-135M EAGLE-3 draft: acceptance vs data (2-core CPU)")
