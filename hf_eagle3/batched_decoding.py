@@ -26,7 +26,7 @@ from .acceptance import clip_new_tokens, walk_tree
 from .cost_model import Eagle3Costs, Eagle3DraftLengthPolicy, measure_costs, target_costs
 from .settings import resolve_draft_settings
 from .stats import Eagle3Stats
-from .target_cache import batch_tree_mask, compact, decoding_cache, gather_entries, keep_rows, prefill, sliding_layer
+from .target_cache import batch_tree_mask, compact, decoding_cache, gather_entries, keep_rows, prefill, sliding_window
 from .tree_drafter import DraftTree, Eagle3TreeDrafter
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
@@ -94,6 +94,13 @@ def check_batch(input_ids: torch.LongTensor, attention_mask, generation_config, 
     Raises:
         ValueError: with the fix, for a setting the batched loop cannot do.
     """
+    window = sliding_window(cache)
+    if generation_config.max_length + nodes >= window:
+        raise ValueError(
+            f"Batched EAGLE-3 decoding keeps every row's cache entries inside the target's sliding window "
+            f"({window}), so max_length + tokens per round ({generation_config.max_length} + {nodes}) must stay "
+            "below it. Generate fewer tokens, or decode the rows one at a time (batch 1 has no such limit)."
+        )
     if attention_mask is None:
         return torch.zeros(input_ids.shape[0], dtype=torch.long)
     mask = attention_mask.bool()
@@ -103,13 +110,6 @@ def check_batch(input_ids: torch.LongTensor, attention_mask, generation_config, 
     if not bool(left_padded.all()) or bool((real == 0).any()):
         raise ValueError("Batched EAGLE-3 decoding needs left-padded prompts with at least one token each "
                          "(tokenizer.padding_side = 'left'); the attention mask has zeros after a real token.")
-    windows = [layer.sliding_window for layer in cache.layers if sliding_layer(layer)]
-    if windows and generation_config.max_length + nodes >= min(windows):
-        raise ValueError(
-            f"Batched EAGLE-3 decoding keeps every row's cache entries inside the target's sliding window "
-            f"({min(windows)}), so max_length + tokens per round ({generation_config.max_length} + {nodes}) must stay "
-            "below it. Generate fewer tokens, or decode the rows one at a time (batch 1 has no such limit)."
-        )
     return pads
 
 
@@ -197,8 +197,7 @@ class _BatchLoop:
         self.cache_key, self.cache = decoding_cache(model_kwargs, generation_config, "Batched EAGLE-3 decoding")
         self.attention_mask = model_kwargs.get("attention_mask")
         self.pads = check_batch(input_ids, self.attention_mask, generation_config, self.cache, self.shape["total"] + 1)
-        self.window = min([layer.sliding_window for layer in self.cache.layers if sliding_layer(layer)],
-                          default=float("inf"))
+        self.window = sliding_window(self.cache)
         self.run = _BatchRun(self.draft_model)
         call.generator = self.run
         if self.shape["auto"]:

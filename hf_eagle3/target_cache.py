@@ -25,6 +25,16 @@ def sliding_layer(layer) -> bool:
     return DynamicSlidingWindowLayer is not None and type(layer) is DynamicSlidingWindowLayer
 
 
+def sliding_window(cache) -> float:
+    """
+    The smallest sliding window among the layers of ``cache`` (``inf`` when no layer slides).
+
+    Args:
+        cache (`DynamicCache`): the target's cache.
+    """
+    return min([layer.sliding_window for layer in cache.layers if sliding_layer(layer)], default=float("inf"))
+
+
 def check_tree_cache(cache) -> None:
     """
     Raise ``ValueError`` unless every layer of ``cache`` is one whose entries :func:`gather_cache` can select.

@@ -288,6 +288,9 @@ def test_sliding_window_limit_is_refused_before_work():
     with pytest.raises(ValueError, match="sliding window"):
         target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=20)
     assert no_hooks_left(target)
+    with pytest.raises(ValueError, match="sliding window"):  # without padding (no mask) too
+        target.generate(torch.randint(4, 256, (2, 6)), assistant_model=draft, max_new_tokens=20)
+    assert no_hooks_left(target)
 
 
 # ------------------------------------------------------------------------------------------------ sampling
