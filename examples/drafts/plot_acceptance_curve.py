@@ -35,11 +35,17 @@ def main(argv=None) -> int:
     xs = [r["response_tokens"] / 1e6 for r in runs]
     ys = [r["mean_acceptance_length"] for r in runs]
     ax.plot(xs, ys, "o-", color="tab:blue")
-    for i, (r, x, y) in enumerate(zip(runs, xs, ys)):  # labels alternate below / above, so neighbours do not overlap
+    for i, (r, x, y) in enumerate(zip(runs, xs, ys)):  # labels alternate left-above / right-below of their point
         ax.annotate(f"{r['name']}\n{r['passes']:.1f} passes, {r['cpu_minutes']} CPU min", (x, y),
-                    textcoords="offset points", xytext=(-150, 4) if i % 2 else (6, -22), fontsize=7)
+                    textcoords="offset points", xytext=(-8, 6) if i % 2 else (8, -22), fontsize=7,
+                    ha="right" if i % 2 else "left")
     ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+    ax.set_xlim(min(xs) / 1.25, max(xs) * 1.25)
+    ax.set_ylim(min(ys) - 0.05, max(ys) + 0.05)
+    ticks = [t for t in (0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16) if min(xs) / 1.25 <= t <= max(xs) * 1.25]
+    ax.set_xticks(ticks)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("response tokens trained on (millions, log scale)")
     ax.set_ylabel("MT-bench mean acceptance length (k = 5)")
     ax.set_title("SmolLM2-135M EAGLE-3 draft: acceptance vs data (2-core CPU)")
