@@ -27,8 +27,10 @@ CHECK_PROMPTS = (
     "What are three tips for staying productive when working from home?",
     "Describe how a bicycle works to a ten-year-old.",
 )
-DEFAULT_NUM_PROMPTS = 3
-DEFAULT_MAX_NEW_TOKENS = 32
+# a trained draft reads a layer's neighbours almost as well as the layer: all 4 prompts x 48 tokens are needed to tell
+# them apart (shipped SmolLM2 draft: 1.49 vs 1.42 shifted; 3 x 32 gave 1.47 vs 1.44)
+DEFAULT_NUM_PROMPTS = 4
+DEFAULT_MAX_NEW_TOKENS = 48
 DEFAULT_K = 5
 # Acceptance lengths closer than this are a tie: the ids as read are kept.
 TIE_MARGIN = 0.05

@@ -103,7 +103,7 @@ def test_shipped_draft_on_smollm2_reports_the_right_layer_ids(smollm2, tmp_path)
     """The shipped draft reads [2, 15, 27]: measured, that beats the shifted ids. Written the wrong way into a flat
     config (our ids in eagle_config, which means output-of-layer), check finds the fix."""
     model, tok = smollm2
-    report = check_draft(SHIPPED_DRAFT, model, tok, num_prompts=2, max_new_tokens=24, k=4)
+    report = check_draft(SHIPPED_DRAFT, model, tok, k=4)  # the defaults: 4 prompts x 48 tokens
     assert report["problems"] == [] and report["notes"] == [] and report["layers"]["as_read"] == [2, 15, 27]
     good, shifted = report["candidates"]
     assert shifted["layer_ids"] == [3, 16, 28]
@@ -114,7 +114,7 @@ def test_shipped_draft_on_smollm2_reports_the_right_layer_ids(smollm2, tmp_path)
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 15, 27]  # read as [3, 16, 28]
     del cfg["eagle_aux_hidden_state_layer_ids"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    wrong = check_draft(tmp_path, model, tok, num_prompts=2, max_new_tokens=24, k=4)
+    wrong = check_draft(tmp_path, model, tok, k=4)
     assert wrong["layers"]["as_read"] == [3, 16, 28] and wrong["best"] == "shifted"
     assert "eagle_config.eagle_aux_hidden_state_layer_ids = [1, 14, 26]" in wrong["advice"]
     assert "<- better" in format_report(wrong)
