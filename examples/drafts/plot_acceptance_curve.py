@@ -28,7 +28,7 @@ def main(argv=None) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401  (FormatStrFormatter)
+    import matplotlib.ticker
 
     runs = json.load(open(args.data))["runs"]
     fig, ax = plt.subplots(figsize=(7, 4.2))
