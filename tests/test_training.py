@@ -8,20 +8,9 @@ import torch.nn.functional as F
 from conftest import tiny_draft, tiny_target
 
 import hf_eagle3
-from hf_eagle3.training.features import cache_features
-from hf_eagle3.training.trainer import (
-    ConcatKVCache,
-    TrainConfig,
-    TTTAttention,
-    collate,
-    draft_config_for_target,
-    evaluate,
-    init_draft,
-    train,
-    ttt_attention_mask,
-    ttt_forward,
-    ttt_loss,
-)
+from hf_eagle3.training.features import cache_features, collate
+from hf_eagle3.training.trainer import TrainConfig, draft_config_for_target, evaluate, init_draft, train
+from hf_eagle3.training.ttt import ConcatKVCache, TTTAttention, ttt_attention_mask, ttt_forward, ttt_loss
 from hf_eagle3.training.vocab import build_vocab_mapping, check_vocab_mapping, count_tokens, coverage
 
 
@@ -252,7 +241,7 @@ def test_data_parallel_training_on_two_processes(tmp_path, max_minutes):
     sys.path.insert(0, str(Path(__file__).parent))
     from ddp_train_worker import fingerprint
 
-    from hf_eagle3.training.trainer import FeatureShards
+    from hf_eagle3.training.features import FeatureShards
 
     target = tiny_target("llama")
     feats = tmp_path / "features"

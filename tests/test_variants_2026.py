@@ -447,7 +447,7 @@ def test_flat_export_of_the_shipped_draft_reads_right_in_the_eagle_reference(tmp
 
 
 def test_training_a_sliding_window_draft_is_refused():
-    from hf_eagle3.training.trainer import TTTAttention
+    from hf_eagle3.training.ttt import TTTAttention
 
     draft = tiny_draft(cached_target(), 48, draft_sliding_window=4)
     draft.bind_target(cached_target())

@@ -1,4 +1,5 @@
-"""Cache the target's features for draft training, in resumable shards.
+"""The target's features for draft training: cached in resumable shards (:func:`cache_features`), read back as
+token-budget batches (:class:`FeatureShards`, :func:`collate`).
 
 For every training sequence (prompt + regenerated response) one target forward gives, per position: the three
 captured hidden states (the draft's input, captured with the same hooks as at inference), the final (post-norm)
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 import torch
@@ -138,3 +140,115 @@ def cache_features(
     if bar is not None:
         bar.close()
     return shards
+
+
+class FeatureShards:
+    """Batches of cached features, read shard by shard (each shard shuffled), batched by a token budget.
+
+    Args:
+        root: directory written by :func:`hf_eagle3.training.features.cache_features`.
+        batch_tokens: padded tokens per batch (at most).
+        max_prompt_context: keep at most this many prompt tokens before each response.
+        holdout_shards: the first shards are left out of training (for evaluation).
+        seed: shuffling seed.
+    """
+
+    def __init__(self, root, batch_tokens: int = 4096, max_prompt_context: int = 256, holdout_shards: int = 0, seed: int = 0):
+        self.root = Path(root)
+        self.holdout_shards = holdout_shards
+        self.batch_tokens = batch_tokens
+        self.max_prompt_context = max_prompt_context
+        self.seed = seed
+        self.refresh()
+        if not self.shards:
+            raise FileNotFoundError(f"no feature shards in {root}: run `hf-eagle3 prepare` / cache_features first")
+
+    def refresh(self) -> None:
+        """Re-read the shard list (training picks up shards written meanwhile at the next epoch). The first
+        ``holdout_shards`` shards are held out, so the held-out set stays the same while data grows."""
+        shards = sorted(self.root.glob("shard-*.pt"))
+        self.holdout, self.shards = shards[: self.holdout_shards], shards[self.holdout_shards :]
+
+    def _trim(self, item):
+        cut = max(0, item["prompt_len"] - self.max_prompt_context)
+        return {
+            "input_ids": item["input_ids"][cut:].long(),
+            "features": item["features"][cut:],
+            "last_hidden": item["last_hidden"][cut:],
+            "target_argmax": item["target_argmax"][cut:].long(),
+            "prompt_len": item["prompt_len"] - cut,
+        }
+
+    def batches(self, epoch: int, shards=None, mmap: bool = False):
+        """Yield ``(shard_path, batch_index, items)`` for one epoch, in a deterministic shuffled order.
+
+        Without ``shards``, the shard list is re-read after every shard, so shards written while training runs
+        (data generation still going on) join the current pass.
+
+        Args:
+            epoch: seeds the order.
+            shards: these shard paths only (default: the training shards, re-read as they grow).
+            mmap: map the shards instead of reading them (tensors are read only when touched: cheap counting).
+        """
+        rng = random.Random(self.seed * 1000 + epoch)
+        fixed = list(shards) if shards is not None else None
+        done: set = set()
+        while True:
+            if fixed is None:
+                self.refresh()
+            pending = [s for s in (fixed if fixed is not None else self.shards) if s not in done]
+            if not pending:
+                return
+            path = rng.choice(pending)
+            done.add(path)
+            items = [self._trim(x) for x in torch.load(path, weights_only=False, mmap=mmap)]
+            items.sort(key=lambda x: len(x["input_ids"]))
+            groups, cur = [], []
+            for it in items:
+                width = max([len(x["input_ids"]) for x in cur] + [len(it["input_ids"])])
+                if cur and width * (len(cur) + 1) > self.batch_tokens:
+                    groups.append(cur)
+                    cur = []
+                cur.append(it)
+            if cur:
+                groups.append(cur)
+            rng.shuffle(groups)
+            for bi, g in enumerate(groups):
+                yield path, bi, g
+
+    def num_batches(self, shards=None) -> int:
+        """Count batches of one epoch (maps every shard once; only the token ids are read).
+
+        Args:
+            shards: these shard paths only (default: the training shards).
+        """
+        return sum(1 for _ in self.batches(0, shards, mmap=True))
+
+
+def collate(items, t2d: torch.Tensor, lm_head_rows: torch.Tensor, prompt_loss_weight: float = 0.0):
+    """Pad ``items`` and compute target logits over the draft vocabulary and the loss mask.
+
+    The mask is 1 where a position predicts a response token whose target argmax is in the draft vocabulary (the
+    reference recipe). ``prompt_loss_weight`` > 0 also counts prompt positions, with that weight: distillation on
+    the prompt text, which is free (its features are cached anyway) and broadens scarce data.
+
+    Returns:
+        dict with ``features``, ``input_ids``, ``target_logits``, ``loss_mask``.
+    """
+    n = max(len(x["input_ids"]) for x in items)
+    b = len(items)
+    t = items[0]["features"].shape[-1]
+    feats = torch.zeros(b, n, t, dtype=items[0]["features"].dtype)
+    last = torch.zeros(b, n, items[0]["last_hidden"].shape[-1], dtype=items[0]["last_hidden"].dtype)
+    ids = torch.zeros(b, n, dtype=torch.long)
+    mask = torch.zeros(b, n)
+    for r, x in enumerate(items):
+        L = len(x["input_ids"])
+        feats[r, :L], last[r, :L], ids[r, :L] = x["features"], x["last_hidden"], x["input_ids"]
+        # position i predicts token i+1: count response tokens (i + 1 >= prompt_len) whose target argmax is drafted
+        pos = torch.arange(L)
+        drafted = (pos + 1 < L) & t2d[x["target_argmax"]]
+        response = pos + 1 >= x["prompt_len"]
+        mask[r, :L] = (drafted & response).float() + prompt_loss_weight * (drafted & ~response).float()
+    logits = last.float() @ lm_head_rows.T
+    return {"features": feats, "input_ids": ids, "target_logits": logits, "loss_mask": mask}

@@ -1,0 +1,187 @@
+"""The training-time test (TTT) objective of EAGLE-3 drafts: the draft unrolled over cached target features.
+
+Recipe (REFERENCE §4): the draft is unrolled ``ttt_length`` steps per position. Step 0 reads ``fc(target features)``
+at base position t with the embedding of token t+1; step k reads the pre-norm output of step k-1 at the same base
+position with the embedding of token t+1+k, at position t+k, and attends causally to the step-0 keys plus the
+same-base keys of steps 1..k (exactly what it sees at inference). Step k is trained against the target's
+distribution at position t+1+k restricted to the draft vocabulary (soft cross-entropy), on response positions whose
+target argmax is in the draft vocabulary, weighted 0.8**k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..modeling_eagle3 import Eagle3DraftModel
+
+
+class ConcatKVCache:
+    """A KV cache that concatenates (autograd-safe), with the interface the draft's attention uses."""
+
+    def __init__(self):
+        self.keys = None
+        self.values = None
+
+    def get_seq_length(self) -> int:
+        """Number of cached positions."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update(self, k, v):
+        """Append ``k``/``v`` and return all keys/values."""
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        return self.keys, self.values
+
+
+class TTTAttention:
+    """The attention pattern of the training-time test, computed in O(m^2 + k m) instead of O(k m^2).
+
+    Passed as the draft's ``cache``: step 0 attends causally to its own keys; step s attends to the step-0 keys
+    causally plus, at its own base position, the keys of steps 1..s. Equivalent to SDPA over the concatenated keys
+    with :func:`ttt_attention_mask`.
+    """
+
+    def __init__(self):
+        self.keys: list = []
+        self.values: list = []
+
+    def get_seq_length(self) -> int:
+        """Number of steps' keys held (each of the full sequence length)."""
+        return sum(k.shape[2] for k in self.keys)
+
+    def attend(self, q, k, v):
+        """Store this step's ``k``/``v`` ([B, kv_heads, m, D]) and attend ``q`` ([B, heads, m, D]) over all steps."""
+        self.keys.append(k)
+        self.values.append(v)
+        groups = q.shape[1] // k.shape[1]
+
+        def expand(x):
+            return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+        scale = q.shape[-1] ** -0.5
+        k0, v0 = expand(self.keys[0]), expand(self.values[0])
+        m = q.shape[2]
+        scores = (q @ k0.transpose(-1, -2)).float() * scale
+        causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        diag = [((q * expand(kj)).sum(-1, keepdim=True)).float() * scale for kj in self.keys[1:]]
+        weights = torch.cat([scores] + diag, dim=-1).softmax(-1).to(q.dtype)
+        out = weights[..., :m] @ v0
+        for j, vj in enumerate(self.values[1:]):
+            out = out + weights[..., m + j : m + j + 1] * expand(vj)
+        return out
+
+
+def ttt_attention_mask(m: int, step: int, device=None) -> torch.Tensor:
+    """Bool mask [m, (step + 1) * m] of TTT step ``step``: causal over step-0 keys, diagonal over steps 1..step."""
+    causal = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(m, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+def ttt_forward(draft: Eagle3DraftModel, features: torch.Tensor, input_ids: torch.LongTensor, ttt_length: int = 7):
+    """Unroll the draft ``ttt_length`` steps over every base position of a batch.
+
+    Args:
+        draft: the draft (bound to an embedding).
+        features: captured target features [B, n, 3T].
+        input_ids: tokens [B, n] (target vocabulary).
+        ttt_length: unrolled steps.
+
+    Returns:
+        A list of ``ttt_length`` pre-norm hidden states [B, n - 1, H]; entry k at base position t is what the draft
+        computes at inference on its (k+1)-th step after the real features up to t, fed tokens t+1 .. t+1+k.
+    """
+    b, n = input_ids.shape
+    m = n - 1  # base positions t = 0..n-2 (token t+1 exists)
+    hidden = draft.project_features(features[:, :m])
+    tokens_all = F.pad(input_ids, (0, ttt_length + 1))
+    cache = TTTAttention()
+    base = torch.arange(m, device=input_ids.device)[None].expand(b, m)
+    outs = []
+    for k in range(ttt_length):
+        out = draft(
+            input_ids=tokens_all[:, 1 + k : 1 + k + m],
+            hidden_states=hidden,
+            position_ids=base + k,
+            cache=cache,
+            logits_to_keep=-1,
+        )
+        hidden = out.hidden_states
+        outs.append(hidden)
+    return outs
+
+
+def ttt_loss(
+    draft: Eagle3DraftModel,
+    features: torch.Tensor,
+    input_ids: torch.LongTensor,
+    target_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ttt_length: int = 7,
+    step_decay: float = 0.8,
+):
+    """Compute the TTT loss of one batch.
+
+    Args:
+        draft: the draft being trained (bound to an embedding).
+        features: captured target features [B, n, 3T].
+        input_ids: tokens [B, n] (target vocabulary).
+        target_logits: the target's logits restricted to the draft vocabulary [B, n, Vd]; position i predicts
+            token i + 1.
+        loss_mask: [B, n] float/bool weights; position i counts (with its weight) when it predicts a response token
+            whose target argmax is in the draft vocabulary.
+        ttt_length: unrolled draft steps.
+        step_decay: step k is weighted ``step_decay ** k``.
+
+    Returns:
+        ``(loss, stats)``: the sum over steps (weighted ``step_decay ** k``) of each step's weighted mean soft
+        cross-entropy over its counted positions, and per-step ``loss``, ``acc`` (draft argmax == target argmax,
+        weighted alike) and ``count`` lists.
+    """
+    m = input_ids.shape[1] - 1
+    pad = ttt_length + 1  # pad once so that every step reads a window [1 + k, 1 + k + m)
+    probs_all = F.pad(target_logits.float().softmax(-1), (0, 0, 0, pad))
+    argmax_all = F.pad(target_logits.argmax(-1), (0, pad))
+    mask_all = F.pad(loss_mask.float(), (0, pad))
+    total = features.new_zeros((), dtype=torch.float32)
+    stats = {"loss": [], "acc": [], "count": []}
+    for k, hidden in enumerate(ttt_forward(draft, features, input_ids, ttt_length)):
+        window = slice(1 + k, 1 + k + m)
+        sel = mask_all[:, window] > 0  # the LM head and the loss only where the position counts
+        count = int(sel.sum())
+        stats["count"].append(float(count))
+        if count == 0:
+            stats["loss"].append(0.0)
+            stats["acc"].append(0.0)
+            continue
+        weight = mask_all[:, window][sel]
+        logits = draft.compute_logits(hidden[sel]).float()
+        per_pos = -(probs_all[:, window][sel] * logits.log_softmax(-1)).sum(-1)
+        step_loss = (per_pos * weight).sum() / weight.sum()
+        total = total + (step_decay**k) * step_loss
+        with torch.no_grad():
+            acc = ((logits.argmax(-1) == argmax_all[:, window][sel]).float() * weight).sum() / weight.sum()
+        stats["loss"].append(float(step_loss.detach()))
+        stats["acc"].append(float(acc))
+    return total, stats
+
+
+class TTTObjective(torch.nn.Module):
+    """The TTT loss as a module: data-parallel wrappers (DDP through ``accelerate``) synchronise gradients only for
+    work done inside their ``forward``, and the loss calls the draft ``ttt_length`` times plus its LM head.
+
+    Args:
+        draft: the draft being trained (bound to an embedding).
+        ttt_length: unrolled draft steps.
+    """
+
+    def __init__(self, draft: Eagle3DraftModel, ttt_length: int):
+        super().__init__()
+        self.draft = draft
+        self.ttt_length = ttt_length
+
+    def forward(self, features, input_ids, target_logits, loss_mask):
+        """Return ``ttt_loss(draft, ...)``: the loss and the per-step statistics."""
+        return ttt_loss(self.draft, features, input_ids, target_logits, loss_mask, self.ttt_length)
