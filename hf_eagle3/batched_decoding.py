@@ -23,7 +23,8 @@ import time
 import torch
 
 from .acceptance import clip_new_tokens, walk_tree
-from .cost_model import Eagle3Costs, Eagle3DraftLengthPolicy, measure_costs, target_costs
+from .cost_model import Eagle3Costs, measure_costs, target_costs
+from .draft_length_policy import Eagle3DraftLengthPolicy
 from .settings import resolve_draft_settings
 from .stats import Eagle3Stats
 from .target_cache import batch_tree_mask, compact, decoding_cache, gather_entries, keep_rows, prefill, sliding_window

@@ -13,7 +13,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import candidate_generator as _cg
 
-from .cost_model import Eagle3DraftLengthPolicy, measure_costs
+from .cost_model import measure_costs
+from .draft_length_policy import Eagle3DraftLengthPolicy
 from .draft_state import Eagle3DraftState
 from .logits_process import Eagle3D2TLogitsProcessor
 from .settings import SCHEDULES
@@ -47,7 +48,7 @@ class Eagle3CandidateGenerator(CandidateGenerator):
             -1 otherwise, kept on the draft's generation config after the call), ``"heuristic_transient"`` (same,
             not kept) or ``"auto"`` (each round the length, 0 included, with the most expected tokens per second
             under the round costs measured on this machine and the acceptance seen so far; see
-            :class:`~hf_eagle3.cost_model.Eagle3DraftLengthPolicy`).
+            :class:`~hf_eagle3.draft_length_policy.Eagle3DraftLengthPolicy`).
         assistant_confidence_threshold (`float`): stop drafting in a round once the draft's probability of its own
             token falls below this (0 disables it; when set, each draft step reads one value back from the device).
         target (`PreTrainedModel`, *optional*): the target, whose forwards ``"auto"`` times once (required for it).

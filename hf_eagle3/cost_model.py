@@ -1,12 +1,10 @@
-"""What a decoding round costs on the machine at hand, and the draft-length policy that decides from it how much to
-draft each round, drafting nothing included (``num_assistant_tokens_schedule="auto"``).
+"""What a decoding round costs on the machine at hand: the forwards a round is made of, timed once per target /
+draft / device / dtype (:func:`measure_costs`) and kept as :class:`Eagle3Costs`.
 
 A round that drafts ``k`` tokens costs one draft forward over the positions the target verified since the draft last
 ran (the "feed", which also proposes the first token), ``k - 1`` further draft steps and a target forward over
-``k + 1`` tokens; it yields ``1 + sum_i prod_{j <= i} a_j`` tokens on average, ``a_j`` being the chance that draft token
-``j`` is accepted given that the ones before it were. A round that drafts nothing is a plain target step (the feed is
-deferred to the next round that drafts). :class:`Eagle3DraftLengthPolicy` picks the ``k`` with the most expected
-tokens per second; :func:`measure_costs` times the forwards once per target / draft / device / dtype.
+``k + 1`` tokens. A round that drafts nothing is a plain target step (the feed is deferred to the next round that
+drafts). The policy that decides from these costs how much to draft is :mod:`hf_eagle3.draft_length_policy`.
 
 Core file (part of a remote-code bundle): imports only torch/transformers (and ``draft_cache`` inside a function).
 """
@@ -18,20 +16,13 @@ import inspect
 import math
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # target forward sizes (new tokens) timed by :func:`measure_costs`
 FEED_SIZES = (1, 4, 16)  # draft feed sizes timed by :func:`measure_costs`
 CONTEXT_TOKENS = 128  # cache length the forwards are timed on
-PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed at a draft position nothing is known about
-PRIOR_WEIGHT = 2.0  # weight of the prior, in rounds
-CARRIED_WEIGHT = 10.0  # at most this many rounds of a call's evidence carry over to the next call of the draft
-DECAY = 0.95  # per drafted round: older rounds count less, so the estimate follows the text
-PROBE_EVERY = 8  # rounds without a draft before the first probe; doubles after each probe that does not pay
-MAX_PROBE_EVERY = 64
-OVERHEAD_SMOOTHING = 0.2  # exponential smoothing of the measured per-round overhead
 
 
 def synchronize(device) -> None:
@@ -43,19 +34,6 @@ def synchronize(device) -> None:
     """
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def smooth(previous: float | None, value: float, weight: float) -> float:
-    """
-    Exponential smoothing: ``value`` itself when there is nothing yet, else ``previous`` moved by ``weight`` of the
-    way towards it.
-
-    Args:
-        previous (`float`, *optional*): the smoothed value so far (``None``: none).
-        value (`float`): the new observation.
-        weight (`float`): in (0, 1].
-    """
-    return value if previous is None else previous + weight * (value - previous)
 
 
 def interpolate(table: dict, n: float) -> float:
@@ -305,232 +283,3 @@ def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = Fa
         feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0])
         known[key] = Eagle3Costs(target=target_seconds, draft_feed=feed, draft_step=step)
     return known[key]
-
-
-# --------------------------------------------------------------------------------------------------- the policy
-@dataclass
-class Eagle3AcceptanceEstimate:
-    """
-    Conditional acceptance per draft position, from decayed counts and a prior.
-
-    ``rate(i) = (accepted_i + w * prior_i) / (reached_i + w)``: ``reached_i`` counts rounds that drafted position
-    ``i`` with every earlier draft token accepted, ``accepted_i`` those that also accepted it (each count decays by
-    ``decay`` per drafted round). The prior of position 1 is ``prior``; that of a later position is the estimate of the
-    one before it, so what was learnt at short drafts carries over to longer ones.
-
-    Args:
-        prior (`float`): conditional acceptance assumed before any observation.
-        prior_weight (`float`): weight of the prior, in rounds.
-        decay (`float`): per drafted round.
-    """
-
-    prior: float = PRIOR_ACCEPTANCE
-    prior_weight: float = PRIOR_WEIGHT
-    decay: float = DECAY
-    reached: list = field(default_factory=list)
-    accepted: list = field(default_factory=list)
-
-    def rates(self, k: int) -> list[float]:
-        """
-        The conditional acceptance of draft positions 1..k.
-
-        Args:
-            k (`int`): positions.
-        """
-        out, prior = [], self.prior
-        for i in range(k):
-            reached = self.reached[i] if i < len(self.reached) else 0.0
-            accepted = self.accepted[i] if i < len(self.accepted) else 0.0
-            prior = (accepted + self.prior_weight * prior) / (reached + self.prior_weight)
-            out.append(prior)
-        return out
-
-    def expected_tokens(self, k: int) -> float:
-        """
-        Expected tokens of a round that drafts ``k`` (the target's own token included).
-
-        Args:
-            k (`int`): tokens drafted.
-        """
-        total, chain = 1.0, 1.0
-        for rate in self.rates(k):
-            chain *= rate
-            total += chain
-        return total
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        """
-        Record a round.
-
-        Args:
-            drafted (`int`): tokens drafted (0: nothing is recorded).
-            accepted (`int`): how many of them, from the first, were accepted.
-        """
-        if drafted <= 0:
-            return
-        grow = drafted - len(self.reached)
-        if grow > 0:
-            self.reached += [0.0] * grow
-            self.accepted += [0.0] * grow
-        self.reached = [r * self.decay for r in self.reached]
-        self.accepted = [a * self.decay for a in self.accepted]
-        for i in range(min(drafted, accepted + 1)):
-            self.reached[i] += 1.0
-            if i < accepted:
-                self.accepted[i] += 1.0
-
-    def carried(self, weight: float = CARRIED_WEIGHT) -> "Eagle3AcceptanceEstimate":
-        """
-        A copy for the next call: the counts scaled down to at most ``weight`` rounds per position, so that the next
-        call starts from what this one learnt (one lucky round does not flip its first decisions) but still follows
-        its own text.
-
-        Args:
-            weight (`float`): the most rounds of evidence carried per position.
-        """
-        scale = [min(1.0, weight / r) if r > 0 else 0.0 for r in self.reached]
-        return Eagle3AcceptanceEstimate(
-            prior=self.prior, prior_weight=self.prior_weight, decay=self.decay,
-            reached=[r * s for r, s in zip(self.reached, scale)], accepted=[a * s for a, s in zip(self.accepted, scale)],
-        )
-
-
-class ProbeSchedule:
-    """
-    When a policy that has decided not to draft drafts anyway, to learn whether drafting pays again: after
-    ``every`` rounds without a draft; ``every`` doubles (up to :data:`MAX_PROBE_EVERY`) each time the probe does not
-    change the decision, and falls back to :data:`PROBE_EVERY` when it does.
-
-    Args:
-        every (`int`): rounds without a draft before the next probe.
-    """
-
-    def __init__(self, every: int = PROBE_EVERY):
-        self.every = int(every)
-        self._skipped = 0
-        self._probing = False
-
-    def drafting(self) -> None:
-        """The policy drafts this round on its own."""
-        if self._probing:
-            self.every = PROBE_EVERY  # the probe paid: drafting is back
-        self._probing, self._skipped = False, 0
-
-    def probe_now(self) -> bool:
-        """The policy would not draft this round: whether to draft anyway (a probe)."""
-        if self._probing:  # the last probe did not change the decision: probe less often
-            self.every = min(2 * self.every, MAX_PROBE_EVERY)
-            self._probing = False
-        self._skipped += 1
-        if self._skipped < self.every:
-            return False
-        self._skipped, self._probing = 0, True
-        return True
-
-
-class Eagle3DraftLengthPolicy:
-    r"""
-    Chooses the draft length of each round (``num_assistant_tokens_schedule="auto"``): the ``k`` in ``0..max_k``
-    with the most expected tokens per second, from the measured round costs (:class:`Eagle3Costs`), the acceptance
-    seen so far (:class:`Eagle3AcceptanceEstimate`) and the per-round overhead measured in the call.
-
-    ``k = 0`` (draft nothing: the round is a plain target step) wins when no draft length pays. Since nothing is
-    learnt while not drafting, the policy then drafts probe rounds (:class:`ProbeSchedule`).
-
-    Args:
-        costs (`Eagle3Costs`): measured forward costs.
-        estimate (`Eagle3AcceptanceEstimate`, *optional*): acceptance so far (e.g. carried from the previous call).
-        probe_every (`int`): rounds without a draft before the next probe (e.g. carried from the previous call).
-    """
-
-    def __init__(self, costs: Eagle3Costs, estimate: Eagle3AcceptanceEstimate | None = None,
-                 probe_every: int = PROBE_EVERY):
-        self.costs = costs
-        self.estimate = estimate if estimate is not None else Eagle3AcceptanceEstimate()
-        self.overhead = {False: None, True: None}  # measured minus modelled seconds, rounds without / with a draft
-        self.probes = ProbeSchedule(probe_every)
-
-    @property
-    def probe_every(self) -> int:
-        """Rounds without a draft before the next probe."""
-        return self.probes.every
-
-    def tokens_per_second(self, k: int, feed: int = 1) -> float:
-        """
-        Expected tokens per second of a round drafting ``k`` after feeding ``feed`` positions.
-
-        Args:
-            k (`int`): tokens drafted (0: a plain target step).
-            feed (`int`): positions the draft consumes first.
-        """
-        overhead = self.overhead[k > 0]
-        if overhead is None:  # not measured yet for this kind of round: the other kind's, else none
-            overhead = self.overhead[k == 0] or 0.0
-        seconds = self.costs.round_seconds(k, feed) + overhead
-        return self.estimate.expected_tokens(k) / max(seconds, 1e-9)
-
-    def best(self, max_k: int, feed: int = 1, lowest: int = 0) -> int:
-        """
-        The ``k`` in ``lowest..max_k`` with the most expected tokens per second.
-
-        Args:
-            max_k (`int`): longest draft allowed.
-            feed (`int`): positions the draft consumes first.
-            lowest (`int`): shortest draft considered.
-        """
-        rates = {k: self.tokens_per_second(k, feed) for k in range(lowest, max_k + 1)}
-        return max(rates, key=rates.get)
-
-    def choose(self, max_k: int, feed: int = 1) -> int:
-        """
-        The draft length of the next round, probes included.
-
-        Args:
-            max_k (`int`): longest draft allowed this round.
-            feed (`int`): verified positions the draft has not consumed yet.
-        """
-        if max_k <= 0:
-            return 0
-        k = self.best(max_k, feed)
-        if k > 0:
-            self.probes.drafting()
-            return k
-        return self.best(max_k, feed, lowest=1) if self.probes.probe_now() else 0
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        """
-        Record the acceptance of a finished round.
-
-        Args:
-            drafted (`int`): tokens drafted.
-            accepted (`int`): how many of them were accepted.
-        """
-        self.estimate.observe(drafted, accepted)
-
-    def observe_time(self, drafted: int, seconds: float, feed: int = 1) -> None:
-        """
-        Record the wall time of a finished round; what the costs do not explain becomes the per-round overhead.
-
-        Args:
-            drafted (`int`): tokens drafted.
-            seconds (`float`): the round's wall time (drafting, verification, bookkeeping).
-            feed (`int`): positions the draft consumed at the start of the round.
-        """
-        residual = seconds - self.costs.round_seconds(drafted, feed)
-        self.overhead[drafted > 0] = smooth(self.overhead[drafted > 0], residual, OVERHEAD_SMOOTHING)
-
-    def carried(self) -> dict:
-        """What the next call of the same draft starts from: the acceptance estimate (as a prior) and the probe
-        interval (see :meth:`from_carried`)."""
-        return {"estimate": self.estimate.carried(), "probe_every": self.probe_every}
-
-    @classmethod
-    def from_carried(cls, costs: Eagle3Costs, carried: dict | None) -> "Eagle3DraftLengthPolicy":
-        """
-        A policy for a new call, starting from what :meth:`carried` returned at the end of the last one (or fresh).
-
-        Args:
-            costs (`Eagle3Costs`): measured forward costs.
-            carried (`dict`, *optional*): the previous call's state.
-        """
-        return cls(costs, **(carried or {}))

@@ -68,6 +68,7 @@ CORE_FILES = (
     "draft_state.py",
     "candidate_generator.py",
     "cost_model.py",
+    "draft_length_policy.py",
     "acceptance.py",
     "target_cache.py",
     "tree_policy.py",

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .cost_model import ProbeSchedule, interpolate, smooth
+from .cost_model import interpolate
+from .draft_length_policy import ProbeSchedule, smooth
 
 AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree inputs (root included) whose target forward cost "auto" measures
 AUTO_MAX_NODES = 63  # largest tree "auto" chooses (64 target inputs with the root)
@@ -61,7 +62,7 @@ class TreeSizeChooser:
         """
         Whether to draft a tree this round: while the recent rounds with a tree made clearly fewer tokens per second
         than a plain target step would (below :data:`SKIP_BELOW` of it; the step measured, or the one-token forward
-        time before any), draft nothing but the probes of a :class:`~hf_eagle3.cost_model.ProbeSchedule`.
+        time before any), draft nothing but the probes of a :class:`~hf_eagle3.draft_length_policy.ProbeSchedule`.
         """
         if self.rounds < MIN_ROUNDS_BEFORE_SKIPPING:
             return True  # too little measured yet

@@ -22,7 +22,7 @@ from conftest import cached_target as target_of
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 import hf_eagle3.acceptance as acceptance
-from hf_eagle3 import Eagle3TreeDrafter, batched_decoding, cost_model, generate_hook
+from hf_eagle3 import Eagle3TreeDrafter, batched_decoding, draft_length_policy, generate_hook
 from hf_eagle3.generate_hook import _ACTIVE, use_drafting
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
@@ -142,7 +142,7 @@ def test_ragged_acceptance_keeps_every_row_exact(arch, settings):
 def test_auto_schedule_with_rounds_that_draft_nothing_stays_exact(arch, monkeypatch):
     """``"auto"`` picks one length per round for all rows, 0 included (a plain batched step; the feed waits)."""
     pattern = itertools.cycle([0, 3, 0, 0, 2, 4, 1])
-    monkeypatch.setattr(cost_model.Eagle3DraftLengthPolicy, "choose",
+    monkeypatch.setattr(draft_length_policy.Eagle3DraftLengthPolicy, "choose",
                         lambda self, max_k, feed=1: min(next(pattern), max_k))
     target, draft = batch_target(arch), batch_draft(arch)
     ids, mask = padded_batch((4, 13, 8, 2), seed=9)

@@ -18,15 +18,9 @@ from conftest import assisted_continuations, greedy, random_prompt, sampling_mod
 from test_core_greedy import check_recorded_scores, draft_covering, oracle_select
 from test_core_sampling import ALPHA, PROMPT, SAMPLING, _broken_processors, plain_samples, target_like
 
-from hf_eagle3 import Eagle3CandidateGenerator, cost_model
-from hf_eagle3.cost_model import (
-    PROBE_EVERY,
-    Eagle3AcceptanceEstimate,
-    Eagle3Costs,
-    Eagle3DraftLengthPolicy,
-    interpolate,
-    measure_costs,
-)
+from hf_eagle3 import Eagle3CandidateGenerator, cost_model, draft_length_policy
+from hf_eagle3.cost_model import Eagle3Costs, interpolate, measure_costs
+from hf_eagle3.draft_length_policy import PROBE_EVERY, Eagle3AcceptanceEstimate, Eagle3DraftLengthPolicy
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
 AUTO = {"num_assistant_tokens_schedule": "auto"}
@@ -127,7 +121,7 @@ def test_policy_state_carries_to_the_next_call():
     nxt = Eagle3DraftLengthPolicy.from_carried(policy.costs, carried)
     assert nxt.probe_every == policy.probe_every > PROBE_EVERY
     assert nxt.estimate.rates(1)[0] == pytest.approx(policy.estimate.rates(1)[0], abs=0.03)
-    assert max(nxt.estimate.reached) <= cost_model.CARRIED_WEIGHT + 1e-9  # a prior, not the whole history
+    assert max(nxt.estimate.reached) <= draft_length_policy.CARRIED_WEIGHT + 1e-9  # a prior, not the whole history
 
 
 # ---------------------------------------------------------------------------------------- decoding with "auto"

@@ -33,7 +33,7 @@ import hf_eagle3.acceptance as acceptance
 import hf_eagle3.target_cache as target_cache
 import hf_eagle3.tree_drafter as tree_drafter
 import hf_eagle3.tree_policy as tree_policy
-from hf_eagle3 import cost_model
+from hf_eagle3 import cost_model, draft_length_policy
 from hf_eagle3.draft_state import Eagle3DraftState
 from hf_eagle3.generate_hook import _ACTIVE
 
@@ -206,7 +206,6 @@ def test_settings_from_draft_generation_config_and_auto():
     oracle(draft, ref[0].tolist())
     out = greedy(target, ids, max_new_tokens=16, assistant_model=draft)
     assert torch.equal(out, ref)
-    from hf_eagle3 import cost_model
 
     measured = cost_model._TARGET_SECONDS[target]
     assert any(key[-1] == tree_policy.AUTO_SIZES for key in measured), "auto measured the target's forward cost"
@@ -228,8 +227,8 @@ def test_size_chooser_drafts_nothing_while_trees_do_not_pay():
         assert chooser.draft_this_round()  # too little measured yet
         chooser.update(predicted=1.0, accepted=0, draft_seconds=0.02, round_seconds=0.08)  # 1 token in 80 ms
     decisions = [chooser.draft_this_round() for _ in range(20)]  # a plain step: 1 token in 40 ms
-    assert decisions[: cost_model.PROBE_EVERY - 1] == [False] * (cost_model.PROBE_EVERY - 1)
-    assert decisions[cost_model.PROBE_EVERY - 1]  # a probe
+    assert decisions[: draft_length_policy.PROBE_EVERY - 1] == [False] * (draft_length_policy.PROBE_EVERY - 1)
+    assert decisions[draft_length_policy.PROBE_EVERY - 1]  # a probe
     chooser = tree_policy.TreeSizeChooser({1: 0.04, 64: 0.08})
     for _ in range(5):
         chooser.update(predicted=3.0, accepted=3, draft_seconds=0.02, round_seconds=0.08)  # 4 tokens in 80 ms
