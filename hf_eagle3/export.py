@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from .configuration_eagle3 import native_to_flat_config, native_to_speculators_config
+from .config_layouts import native_to_flat_config, native_to_speculators_config
 from .modeling_eagle3 import Eagle3DraftModel
 from .settings import SAVED_DRAFT_SETTINGS
 
@@ -53,6 +53,7 @@ from .settings import SAVED_DRAFT_SETTINGS
 CORE_FILES = (
     # the draft model
     "configuration_eagle3.py",
+    "config_layouts.py",
     "modeling_eagle3.py",
     "draft_layers.py",
     "draft_cache.py",

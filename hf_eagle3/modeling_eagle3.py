@@ -18,7 +18,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
 from .checkpoint_files import convert_state_dict, read_state_dict, resolve_file
-from .configuration_eagle3 import Eagle3Config, config_dict_to_native, read_config_file
+from .config_layouts import config_dict_to_native
+from .configuration_eagle3 import Eagle3Config, read_config_file
 from .draft_cache import Eagle3KVCache
 from .draft_layers import Eagle3DecoderLayer, Eagle3RMSNorm
 from .rope import rope_attention_scaling, rope_inv_freq

@@ -195,7 +195,8 @@ def test_a_draft_config_without_a_required_field_names_file_and_field(tmp_path, 
 
 def test_a_draft_config_that_is_not_json_names_the_file(tmp_path):
     from hf_eagle3 import Eagle3Config, Eagle3DraftModel
-    from hf_eagle3.configuration_eagle3 import DraftConfigError, config_dict_to_native, read_config_file
+    from hf_eagle3.config_layouts import config_dict_to_native
+    from hf_eagle3.configuration_eagle3 import DraftConfigError, read_config_file
 
     path = _shipped_copy(tmp_path, lambda cfg: json.dumps(cfg)[:-20])
     for load in (Eagle3Config.from_pretrained, Eagle3DraftModel.from_pretrained,

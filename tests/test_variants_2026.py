@@ -29,7 +29,8 @@ from test_core_loaders import (
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from hf_eagle3 import Eagle3CandidateGenerator, Eagle3Config, Eagle3DraftModel, Eagle3FeatureCapture
-from hf_eagle3.configuration_eagle3 import DraftConfigError, config_dict_to_native
+from hf_eagle3.config_layouts import config_dict_to_native
+from hf_eagle3.configuration_eagle3 import DraftConfigError
 from hf_eagle3.export import export_flat, export_speculators
 from hf_eagle3.draft_cache import Eagle3KVCache
 
