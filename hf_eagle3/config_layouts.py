@@ -263,20 +263,21 @@ def config_dict_to_native(cfg: dict, source: str | os.PathLike = "config.json") 
     return out, layout
 
 
-def _rope_fields(config: Eagle3Config, out: dict) -> None:
-    """Write the draft's RoPE (``rope_theta`` at the top level, read by every engine; scaling and partial factor)."""
+def _layer_fields(config: Eagle3Config, out: dict) -> dict:
+    """Write the draft's decoder layer into ``out`` as every engine reads it: its shape and activation, its RoPE
+    (``rope_theta`` at the top level; scaling and partial factor when used) and a sliding window as
+    ``layer_types`` + ``sliding_window`` (vLLM and speculators); return ``out``."""
+    for k in _LAYER_FIELDS:
+        out[k] = getattr(config, k)
     out["rope_theta"] = config.rope_theta
     if config.draft_rope_scaling:
         out["rope_scaling"] = dict(config.draft_rope_scaling)
     if config.partial_rotary_factor != 1.0:
         out["partial_rotary_factor"] = config.partial_rotary_factor
-
-
-def _window_fields(config: Eagle3Config, out: dict) -> None:
-    """Write a sliding-window draft layer as vLLM and speculators read it (``layer_types`` + ``sliding_window``)."""
     if config.draft_sliding_window:
         out["layer_types"] = ["sliding_attention"]
         out["sliding_window"] = config.draft_sliding_window
+    return out
 
 
 def native_to_flat_config(config: Eagle3Config) -> dict[str, Any]:
@@ -290,23 +291,19 @@ def native_to_flat_config(config: Eagle3Config) -> dict[str, Any]:
     Args:
         config (`Eagle3Config`): the draft's configuration.
     """
-    out = {
+    out = _layer_fields(config, {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "vocab_size": config.vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
         "num_hidden_layers": 1,
         "tie_word_embeddings": False,
-    }
-    for k in _LAYER_FIELDS:
-        out[k] = getattr(config, k)
-    _rope_fields(config, out)
+    })
     if config.target_hidden_size != config.hidden_size:
         out["target_hidden_size"] = config.target_hidden_size
     for flag in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm"):
         if getattr(config, flag):
             out[flag] = True
-    _window_fields(config, out)
     if config.feature_layer_ids is not None:
         out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in config.feature_layer_ids]}
     return out
@@ -324,17 +321,13 @@ def native_to_speculators_config(config: Eagle3Config, num_speculative_tokens: i
         num_speculative_tokens (`int`): ``speculative_tokens`` of the greedy proposal method (vLLM's default draft
             length).
     """
-    layer = {
+    layer = _layer_fields(config, {
         "model_type": "qwen3" if config.qk_norm else "llama",
         "architectures": ["Qwen3ForCausalLM" if config.qk_norm else "LlamaForCausalLM"],
         "vocab_size": config.vocab_size,
         "num_hidden_layers": 1,
         "tie_word_embeddings": False,
-    }
-    for k in _LAYER_FIELDS:
-        layer[k] = getattr(config, k)
-    _rope_fields(config, layer)
-    _window_fields(config, layer)
+    })
     out = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
