@@ -35,10 +35,12 @@ def main(argv=None) -> int:
     xs = [r["response_tokens"] / 1e6 for r in runs]
     ys = [r["mean_acceptance_length"] for r in runs]
     ax.plot(xs, ys, "o-", color="tab:blue")
-    for i, (r, x, y) in enumerate(zip(runs, xs, ys)):  # labels alternate left-above / right-below of their point
+    for i, (r, x, y) in enumerate(zip(runs, xs, ys)):
+        # labels alternate left-above / right-below of their point; the last one has no room on the right
+        left = i % 2 == 1 or i == len(runs) - 1
         ax.annotate(f"{r['name']}\n{r['passes']:.1f} passes, {r['cpu_minutes']} CPU min", (x, y),
-                    textcoords="offset points", xytext=(-8, 6) if i % 2 else (8, -22), fontsize=7,
-                    ha="right" if i % 2 else "left")
+                    textcoords="offset points", xytext=(-8, 6) if left else (8, -22), fontsize=7,
+                    ha="right" if left else "left")
     ax.set_xscale("log")
     ax.set_xlim(min(xs) / 1.25, max(xs) * 1.25)
     ax.set_ylim(min(ys) - 0.05, max(ys) + 0.05)
