@@ -44,7 +44,7 @@ def run_demo(
 
     Returns:
         A dict with ``eagle3_tokens_per_s``, ``plain_tokens_per_s``, ``speedup``, ``identical`` (``None`` when
-        sampling), ``stats`` (``Eagle3Stats.to_dict()``), ``draft_is_random``, ``k`` (the constant length, or the
+        sampling), ``exact_dtype`` (the target runs in float32, where greedy outputs must be identical), ``stats`` (``Eagle3Stats.to_dict()``), ``draft_is_random``, ``k`` (the constant length, or the
         draft's schedule name, e.g. ``"auto (k <= 5)"``).
     """
     from transformers import TextStreamer
@@ -109,6 +109,7 @@ def run_demo(
     print(f"speed-up: {speedup:.2f}x  (threads: {torch.get_num_threads()}; draft length: {k}; "
           f"{stats.rounds_summary()})")
     identical = None
+    exact = target_model.dtype == torch.float32  # token identity is the contract in float32
     if sampling:
         print("Sampling: the two answers are independent draws from the same distribution, so they are not compared.")
     else:
@@ -118,7 +119,13 @@ def run_demo(
         else:
             first = next((i for i, (a, b) in enumerate(zip(eagle_new, plain_new)) if a != b),
                          min(len(eagle_new), len(plain_new)))
-            print(f"Outputs identical: NO (first difference at new token {first}).")
+            if exact:
+                print(f"Outputs identical: NO (first difference at new token {first}).")
+            else:
+                print(f"Outputs identical: no, from new token {first}: expected in {str(target_model.dtype)[6:]}, where "
+                      "a forward over several tokens rounds differently from a one-token forward and near-ties of the "
+                      "argmax flip (Transformers' own prompt lookup does the same). Token identity is "
+                      "the contract in float32: rerun with --dtype float32 to check it.")
     if is_random:
         print("NOTE: the draft is random (untrained), so acceptance is ~1 and no speed-up is expected.")
     return {
@@ -126,6 +133,7 @@ def run_demo(
         "plain_tokens_per_s": plain_tps,
         "speedup": speedup,
         "identical": identical,
+        "exact_dtype": exact,
         "stats": stats.to_dict(),
         "draft_is_random": is_random,
         "k": k,
@@ -139,9 +147,9 @@ def demo_command(args) -> int:
         args: the ``argparse.Namespace``.
 
     Returns:
-        0, or 1 when greedy outputs differ.
+        0, or 1 when greedy outputs differ in float32 (in lower precision they may, and the demo says why).
     """
     result = run_demo(prompt=args.prompt, target=args.target, draft=args.draft, max_new_tokens=args.max_new_tokens,
                       num_assistant_tokens=args.num_assistant_tokens, temperature=args.temperature, seed=args.seed,
                       dtype=args.dtype, device=args.device)
-    return 1 if result["identical"] is False else 0
+    return 1 if result["identical"] is False and result["exact_dtype"] else 0

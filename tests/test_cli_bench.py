@@ -262,3 +262,16 @@ def test_batched_bench_tiny(tmp_path):
     with pytest.raises(ValueError, match="raise --num-prompts"):
         bench_batched.run_batched_bench(target, draft, ByteTokenizer(), prompts[:1], batch_sizes=(2,),
                                         max_new_tokens=2, ks=(1,), progress=False)
+
+
+def test_demo_exit_code_fails_on_a_float32_mismatch_only(monkeypatch):
+    """`hf-eagle3 demo` fails when greedy outputs differ in float32 (the contract) but not in bfloat16, where
+    multi-token forwards round differently and the demo explains the difference instead."""
+    from hf_eagle3 import demo
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["demo", "--max-new-tokens", "8"])
+    cases = [(True, True, 0), (False, True, 1), (False, False, 0), (None, True, 0)]
+    for identical, exact, code in cases:
+        monkeypatch.setattr(demo, "run_demo", lambda **kw: {"identical": identical, "exact_dtype": exact})
+        assert demo.demo_command(args) == code, (identical, exact)
