@@ -28,7 +28,8 @@ CHECK_PROMPTS = (
     "Describe how a bicycle works to a ten-year-old.",
 )
 # a trained draft reads a layer's neighbours almost as well as the layer: all 4 prompts x 48 tokens are needed to tell
-# them apart (shipped SmolLM2 draft: 1.49 vs 1.42 shifted; 3 x 32 gave 1.47 vs 1.44)
+# them apart (SmolLM2 draft of session 6: 1.49 vs 1.42 shifted, where 3 x 32 gave 1.47 vs 1.44; session 7's: 1.57 vs
+# 1.49)
 DEFAULT_NUM_PROMPTS = 4
 DEFAULT_MAX_NEW_TOKENS = 48
 DEFAULT_K = 5

@@ -44,8 +44,9 @@ def run_demo(
 
     Returns:
         A dict with ``eagle3_tokens_per_s``, ``plain_tokens_per_s``, ``speedup``, ``identical`` (``None`` when
-        sampling), ``exact_dtype`` (the target runs in float32, where greedy outputs must be identical), ``stats`` (``Eagle3Stats.to_dict()``), ``draft_is_random``, ``k`` (the constant length, or the
-        draft's schedule name, e.g. ``"auto (k <= 5)"``).
+        sampling), ``exact_dtype`` (the target runs in float32, where greedy outputs must be identical), ``stats``
+        (``Eagle3Stats.to_dict()``), ``draft_is_random``, ``k`` (the constant length, or the draft's schedule name,
+        e.g. ``"auto (k <= 5)"``).
     """
     from transformers import TextStreamer
 
@@ -122,7 +123,7 @@ def run_demo(
             if exact:
                 print(f"Outputs identical: NO (first difference at new token {first}).")
             else:
-                print(f"Outputs identical: no, from new token {first}: expected in {str(target_model.dtype)[6:]}, where "
+                print(f"Outputs identical: no, from new token {first}: expected in {str(target_model.dtype).removeprefix('torch.')}, where "
                       "a forward over several tokens rounds differently from a one-token forward and near-ties of the "
                       "argmax flip (Transformers' own prompt lookup does the same). Token identity is "
                       "the contract in float32: rerun with --dtype float32 to check it.")
