@@ -211,7 +211,10 @@ def cmd_train(args) -> None:
     minutes = (time.time() - t0) / 60
     if not state.is_main_process:  # the main process holds the same weights and saves them
         return
-    metrics = evaluate(draft, features_dir, ttt_length=args.ttt_length) if args.holdout_shards else {}
+    metrics = {}
+    if args.holdout_shards:
+        metrics = evaluate(draft, features_dir, ttt_length=args.ttt_length, holdout_shards=args.holdout_shards,
+                           max_prompt_context=args.max_prompt_context)
     save_dir = Path(args.save_dir or out / "draft")
     dtype = getattr(torch, args.save_dtype)
     draft.to(dtype).save_pretrained(save_dir)
@@ -220,6 +223,11 @@ def cmd_train(args) -> None:
         "config": vars(args),
     }, indent=2, default=str))
     print(f"saved {save_dir}; holdout per-step accuracy {[round(a, 3) for a in metrics.get('acc', [])]}")
+    if "chain" in metrics:
+        chain = metrics["chain"]
+        print(f"holdout answers replayed as greedy chain decoding (5 draft tokens a round): mean acceptance length "
+              f"{chain['mean_acceptance_length']:.2f} over {chain['rounds']} rounds, per position "
+              f"{[round(a, 2) for a in chain['acceptance_rate_per_position']]}")
     if args.export_flat or args.export_speculators:
         from .. import export
 

@@ -216,6 +216,15 @@ class FeatureShards:
             for bi, g in enumerate(groups):
                 yield path, bi, g
 
+    def records(self, shards=None) -> list[dict]:
+        """All records of ``shards`` (default: the training shards), prompts trimmed as in the batches.
+
+        Args:
+            shards: these shard paths only.
+        """
+        paths = list(shards) if shards is not None else self.shards
+        return [self._trim(x) for path in paths for x in torch.load(path, weights_only=False)]
+
     def num_batches(self, shards=None) -> int:
         """Count batches of one epoch (maps every shard once; only the token ids are read).
 

@@ -374,17 +374,31 @@ def end_distributed() -> None:
 
 @torch.no_grad()
 def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int = 7, batch_tokens: int = 4096,
-             max_prompt_context: int = 256) -> dict:
-    """Per-step accuracy of ``draft`` on feature shards (default: the held-out first shard).
+             max_prompt_context: int = 256, holdout_shards: int = 1, chain_length: int = 5) -> dict:
+    """Per-step accuracy of ``draft`` on feature shards (default: the held-out shards), and the acceptance length
+    greedy chain decoding would reach on their answers (:func:`~hf_eagle3.training.replay.replay_chain_acceptance`).
+
+    Args:
+        draft: the draft to evaluate.
+        features_dir: the feature shards' directory.
+        shards: these shard paths (default: the first ``holdout_shards``, which training leaves out).
+        ttt_length: unrolled steps whose accuracy is reported.
+        batch_tokens: padded tokens per batch.
+        max_prompt_context: prompt tokens kept before each answer, as in training.
+        holdout_shards: how many leading shards are held out.
+        chain_length: draft tokens per round of the replayed chain (0: no replay).
 
     Returns:
-        ``{"acc": [...], "loss": [...], "count": ...}`` averaged over counted positions.
+        ``{"acc": [...], "loss": [...], "count": ...}`` averaged over counted positions, plus ``"chain"`` (the
+        replay's statistics) when ``chain_length`` > 0.
     """
+    from .replay import replay_chain_acceptance
+
     head = check_draft_matches_features(draft, features_dir)
     embed = torch.nn.Embedding.from_pretrained(head["embed_tokens"], freeze=True)
     draft._target_embedding = (embed,)
     used = torch.arange(draft.config.draft_vocab_size) + draft.d2t.cpu()
-    data = FeatureShards(features_dir, batch_tokens, max_prompt_context, holdout_shards=1)
+    data = FeatureShards(features_dir, batch_tokens, max_prompt_context, holdout_shards=holdout_shards)
     shards = shards if shards is not None else data.holdout
     acc = [0.0] * ttt_length
     los = [0.0] * ttt_length
@@ -396,5 +410,8 @@ def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int
             acc[k] += stats["acc"][k] * stats["count"][k]
             los[k] += stats["loss"][k] * stats["count"][k]
             cnt[k] += stats["count"][k]
+    out = {"acc": [a / max(c, 1) for a, c in zip(acc, cnt)], "loss": [l / max(c, 1) for l, c in zip(los, cnt)], "count": cnt[0]}
+    if chain_length:
+        out["chain"] = replay_chain_acceptance(draft, data.records(shards), chain_length, batch_tokens)
     draft._target_embedding = None
-    return {"acc": [a / max(c, 1) for a, c in zip(acc, cnt)], "loss": [l / max(c, 1) for l, c in zip(los, cnt)], "count": cnt[0]}
+    return out
