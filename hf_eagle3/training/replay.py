@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import torch
 
+from ..logits_process import Eagle3D2TLogitsProcessor
 from ..modeling_eagle3 import Eagle3DraftModel
 from .ttt import ttt_forward
 
 
 @torch.no_grad()
-def chain_predictions(draft: Eagle3DraftModel, features: torch.Tensor, input_ids: torch.LongTensor, k: int) -> torch.LongTensor:
+def chain_predictions(draft: Eagle3DraftModel, features: torch.Tensor, input_ids: torch.LongTensor,
+                      k: int) -> torch.LongTensor:
     """The draft's greedy tokens (target vocabulary) at every step of every round start of a batch.
 
     Args:
@@ -34,11 +36,9 @@ def chain_predictions(draft: Eagle3DraftModel, features: torch.Tensor, input_ids
         ``[k, B, n - 1]``: entry ``[j, b, t]`` is the draft's token on step j of a round whose last committed token
         is t+1 (a guess for token t+2+j).
     """
-    preds = []
-    for hidden in ttt_forward(draft, features, input_ids, k):
-        ids = draft.compute_logits(hidden).argmax(-1)
-        preds.append(ids + draft.d2t.to(ids.device)[ids])
-    return torch.stack(preds)
+    to_target = Eagle3D2TLogitsProcessor(draft.d2t, draft.config.vocab_size)  # as decoding maps them
+    return torch.stack([to_target.map_tokens(draft.compute_logits(h).argmax(-1))
+                        for h in ttt_forward(draft, features, input_ids, k)])
 
 
 def replay_record(preds: torch.LongTensor, input_ids: torch.LongTensor, target_argmax: torch.LongTensor,
