@@ -27,11 +27,11 @@ CHECK_PROMPTS = (
     "What are three tips for staying productive when working from home?",
     "Describe how a bicycle works to a ten-year-old.",
 )
-# a trained draft reads a layer's neighbours almost as well as the layer: all 4 prompts x 48 tokens are needed to tell
-# them apart (SmolLM2 draft of session 6: 1.49 vs 1.42 shifted, where 3 x 32 gave 1.47 vs 1.44; session 7's: 1.57 vs
-# 1.49)
+# a trained draft reads a layer's neighbours almost as well as the layer: 4 prompts x 64 tokens are needed to tell
+# them apart (SmolLM2 draft of session 6 at 48 tokens: 1.49 vs 1.42 shifted, where 3 x 32 gave 1.47 vs 1.44;
+# session 7's: 1.57 vs 1.49; session 8's: 1.53 vs 1.48 at 48 tokens, inside TIE_MARGIN, and 1.58 vs 1.49 at 64)
 DEFAULT_NUM_PROMPTS = 4
-DEFAULT_MAX_NEW_TOKENS = 48
+DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_K = 5
 # Acceptance lengths closer than this are a tie: the ids as read are kept.
 TIE_MARGIN = 0.05
