@@ -26,17 +26,23 @@ def test_replay_record_walks_rounds_like_decoding():
     preds[0, 5], preds[1, 5], preds[2, 5] = ids[7], ids[8], ids[9]
     # round 4 starts after token 10: room for one step (token 11) before the target's token 12 ends the answer
     preds[0, 9] = ids[11]
-    rounds, drafted, accepted = replay_record(preds, ids, argmax, prompt_len=2)
-    assert rounds == 4
-    assert drafted == [4, 3, 3]
-    assert accepted == [3, 2, 1]  # runs of 2, 0, 3, 1 accepted tokens
+    stats = replay_record(preds, ids, argmax, prompt_len=2)
+    assert stats.num_drafts == 4
+    assert stats.drafted_per_position == [4, 3, 3]
+    assert stats.accepted_per_position == [3, 2, 1]  # runs of 2, 0, 3, 1 accepted tokens
+    # the prefill and 4 drafting rounds (the last one's target token ends the answer) make the 11 answer tokens
+    assert (stats.num_target_forwards, stats.num_rounds_without_draft, stats.num_output_tokens) == (5, 0, 11)
 
     # token 8 sampled (not the target's argmax after token 7): the replay ends at token 7, so round 2 drafts only
     # token 6 and token 7 is the target's own
     off = argmax.clone()
     off[7] = 5
-    rounds, drafted, accepted = replay_record(preds, ids, off, prompt_len=2)
-    assert (rounds, drafted, accepted) == (2, [2, 1, 1], [1, 1, 0])
+    stats = replay_record(preds, ids, off, prompt_len=2)
+    assert (stats.num_drafts, stats.drafted_per_position, stats.accepted_per_position) == (2, [2, 1, 1], [1, 1, 0])
+    # tokens 2..7: the prefill, two rounds, and token 7 from a round with no room for a draft
+    assert (stats.num_target_forwards, stats.num_rounds_without_draft, stats.num_output_tokens) == (4, 1, 6)
+    off[1] = 0  # the prefill's own token is not the target's: nothing to replay
+    assert replay_record(preds, ids, off, prompt_len=2).num_target_forwards == 0
     with pytest.raises(ValueError, match="prompt token"):
         replay_record(preds, ids, argmax, prompt_len=0)
 
@@ -62,5 +68,4 @@ def test_replay_equals_greedy_chain_decoding_on_smollm2(smollm2, tmp_path):
     draft.bind_target(target)
     replay = replay_chain_acceptance(draft, items, k=5)
     assert stats.num_drafts > 10 and stats.num_accepted_tokens > 5  # the draft really drafts
-    assert replay["rounds"] == stats.num_drafts
-    assert replay["accepted_per_position"] == stats.accepted_per_position
+    assert replay.to_dict() == stats.to_dict()  # rounds, drafted and accepted per position, forwards, tokens

@@ -302,8 +302,8 @@ def test_train_cli_end_to_end_and_exports_reload(tmp_path):
     summary = json.loads((out / "draft" / "training_summary.json").read_text())
     assert summary["records"] == 12 and len(summary["holdout"]["acc"]) == 7
     chain = summary["holdout"]["chain"]  # the held-out greedy answers replayed as chain decoding (5 tokens a round)
-    assert chain["rounds"] > 0 and len(chain["accepted_per_position"]) == 5
-    assert chain["mean_acceptance_length"] == 1 + sum(chain["accepted_per_position"]) / chain["rounds"]
+    assert chain["k"] == 5 and chain["num_drafts"] > 0 and len(chain["drafted_per_position"]) == 5
+    assert chain["mean_acceptance_length"] == 1 + sum(chain["accepted_per_position"]) / chain["num_drafts"]
     ids = torch.tensor([[5, 17, 99, 3, 42, 8]])
     ref = target.generate(ids, assistant_model=native, max_new_tokens=12, do_sample=False)
     feats = torch.randn(1, 6, 3 * 64)

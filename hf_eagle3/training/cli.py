@@ -225,8 +225,8 @@ def cmd_train(args) -> None:
     print(f"saved {save_dir}; holdout per-step accuracy {[round(a, 3) for a in metrics.get('acc', [])]}")
     if "chain" in metrics:
         chain = metrics["chain"]
-        print(f"holdout answers replayed as greedy chain decoding (5 draft tokens a round): mean acceptance length "
-              f"{chain['mean_acceptance_length']:.2f} over {chain['rounds']} rounds, per position "
+        print(f"holdout answers replayed as greedy chain decoding ({chain['k']} draft tokens a round): mean acceptance "
+              f"length {chain['mean_acceptance_length']:.2f} over {chain['num_drafts']} rounds, per position "
               f"{[round(a, 2) for a in chain['acceptance_rate_per_position']]}")
     if args.export_flat or args.export_speculators:
         from .. import export

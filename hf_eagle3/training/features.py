@@ -234,6 +234,25 @@ class FeatureShards:
         return sum(1 for _ in self.batches(0, shards, mmap=True))
 
 
+def pad_records(items, keys=("features", "input_ids")) -> list[torch.Tensor]:
+    """Stack the per-position tensors ``keys`` of feature records into ``[B, n, ...]``, right-padded with zeros
+    (a row's positions never attend to the padding after them).
+
+    Args:
+        items: feature records as :class:`FeatureShards` yields them.
+        keys: the record entries to pad, one tensor of the same order each.
+    """
+    n = max(len(x["input_ids"]) for x in items)
+    out = []
+    for key in keys:
+        first = items[0][key]
+        padded = torch.zeros(len(items), n, *first.shape[1:], dtype=first.dtype)
+        for r, x in enumerate(items):
+            padded[r, : len(x[key])] = x[key]
+        out.append(padded)
+    return out
+
+
 def collate(items, t2d: torch.Tensor, lm_head_rows: torch.Tensor, prompt_loss_weight: float = 0.0):
     """Pad ``items`` and compute target logits over the draft vocabulary and the loss mask.
 
@@ -244,16 +263,11 @@ def collate(items, t2d: torch.Tensor, lm_head_rows: torch.Tensor, prompt_loss_we
     Returns:
         dict with ``features``, ``input_ids``, ``target_logits``, ``loss_mask``.
     """
-    n = max(len(x["input_ids"]) for x in items)
-    b = len(items)
-    t = items[0]["features"].shape[-1]
-    feats = torch.zeros(b, n, t, dtype=items[0]["features"].dtype)
-    last = torch.zeros(b, n, items[0]["last_hidden"].shape[-1], dtype=items[0]["last_hidden"].dtype)
-    ids = torch.zeros(b, n, dtype=torch.long)
-    mask = torch.zeros(b, n)
+    feats, last, ids = pad_records(items, ("features", "last_hidden", "input_ids"))
+    ids = ids.long()
+    mask = torch.zeros(ids.shape)
     for r, x in enumerate(items):
         L = len(x["input_ids"])
-        feats[r, :L], last[r, :L], ids[r, :L] = x["features"], x["last_hidden"], x["input_ids"]
         # position i predicts token i+1: count response tokens (i + 1 >= prompt_len) whose target argmax is drafted
         pos = torch.arange(L)
         drafted = (pos + 1 < L) & t2d[x["target_argmax"]]

@@ -18,6 +18,8 @@ import torch
 
 from ..logits_process import Eagle3D2TLogitsProcessor
 from ..modeling_eagle3 import Eagle3DraftModel
+from ..stats import Eagle3Stats
+from .features import pad_records
 from .ttt import ttt_forward
 
 
@@ -42,7 +44,7 @@ def chain_predictions(draft: Eagle3DraftModel, features: torch.Tensor, input_ids
 
 
 def replay_record(preds: torch.LongTensor, input_ids: torch.LongTensor, target_argmax: torch.LongTensor,
-                  prompt_len: int) -> tuple[int, list[int], list[int]]:
+                  prompt_len: int) -> Eagle3Stats:
     """Replay greedy chain decoding over one record.
 
     Args:
@@ -52,7 +54,8 @@ def replay_record(preds: torch.LongTensor, input_ids: torch.LongTensor, target_a
         prompt_len: number of prompt tokens; the first answer token is the one the prefill produces.
 
     Returns:
-        ``(rounds, drafted_per_position, accepted_per_position)``.
+        the :class:`~hf_eagle3.stats.Eagle3Stats` decoding would have recorded: the prefill, every drafting round,
+        and the rounds without a draft at the end, where no room is left for one.
     """
     k = preds.shape[0]
     n = int(input_ids.shape[0])
@@ -65,28 +68,26 @@ def replay_record(preds: torch.LongTensor, input_ids: torch.LongTensor, target_a
             end = i + 1
             break
     ids, p = input_ids.tolist(), preds.tolist()
-    drafted, accepted = [0] * k, [0] * k
-    rounds, c = 0, prompt_len  # c: the round's last committed token (the prefill commits token prompt_len)
-    while True:
+    stats = Eagle3Stats()
+    if end <= prompt_len:  # not even the prefill's token is the target's greedy choice: nothing to replay
+        return stats
+    stats.record(drafted=0, accepted=0)  # the prefill commits token prompt_len
+    c = prompt_len  # the round's last committed token
+    while c < end - 1:
         # a chain drafts all its steps; near the end, as many as leave room for the target's own token
-        steps = min(k, end - c - 2)
-        if steps <= 0:  # the last token comes from a round without a draft, as in decoding
-            break
-        rounds += 1
+        steps = max(0, min(k, end - c - 2))
         a = 0
         while a < steps and p[a][c - 1] == ids[c + 1 + a]:
             a += 1
-        for j in range(steps):
-            drafted[j] += 1
-        for j in range(a):
-            accepted[j] += 1
+        stats.record(drafted=steps, accepted=a)
         c += a + 1
-    return rounds, drafted, accepted
+    return stats
 
 
 @torch.no_grad()
-def replay_chain_acceptance(draft: Eagle3DraftModel, items: list[dict], k: int = 5, batch_tokens: int = 8192) -> dict:
-    """Mean acceptance length of greedy chain decoding with ``k`` draft tokens, replayed over feature records.
+def replay_chain_acceptance(draft: Eagle3DraftModel, items: list[dict], k: int = 5,
+                            batch_tokens: int = 8192) -> Eagle3Stats:
+    """Greedy chain decoding with ``k`` draft tokens a round, replayed over feature records.
 
     Args:
         draft: the draft, bound to an embedding of the target (``Eagle3DraftModel.bind_target`` or training's).
@@ -96,14 +97,13 @@ def replay_chain_acceptance(draft: Eagle3DraftModel, items: list[dict], k: int =
         batch_tokens: padded tokens per draft pass.
 
     Returns:
-        ``{"mean_acceptance_length", "rounds", "accepted_per_position", "drafted_per_position",
-        "acceptance_rate_per_position"}`` defined as in :class:`~hf_eagle3.stats.Eagle3Stats` (rounds are drafting
-        rounds; the acceptance length counts the target's own token of each round; rates are per round).
+        the records' :class:`~hf_eagle3.stats.Eagle3Stats`, summed: what ``draft.last_stats`` would hold after
+        decoding them one call each.
     """
     if k < 1:
         raise ValueError(f"k={k}: a chain drafts at least one token per round")
     device = draft.d2t.device
-    rounds, drafted, accepted = 0, [0] * k, [0] * k
+    stats = Eagle3Stats()
     items = sorted(items, key=lambda x: len(x["input_ids"]))
     start = 0
     while start < len(items):
@@ -112,23 +112,10 @@ def replay_chain_acceptance(draft: Eagle3DraftModel, items: list[dict], k: int =
             stop += 1
         group = items[start:stop]
         start = stop
-        width = max(len(x["input_ids"]) for x in group)
-        feats = torch.zeros(len(group), width, group[0]["features"].shape[-1], dtype=draft.dtype, device=device)
-        ids = torch.zeros(len(group), width, dtype=torch.long, device=device)
-        for b, x in enumerate(group):  # right padding: a row's positions never attend to its padding
-            feats[b, : len(x["input_ids"])] = x["features"].to(device, draft.dtype)
-            ids[b, : len(x["input_ids"])] = x["input_ids"].to(device)
-        preds = chain_predictions(draft, feats, ids, k).cpu()
+        feats, ids = pad_records(group)
+        preds = chain_predictions(draft, feats.to(device, draft.dtype), ids.to(device).long(), k).cpu()
         for b, x in enumerate(group):
             n = len(x["input_ids"])
-            r, d, a = replay_record(preds[:, b, : n - 1], x["input_ids"].long(), x["target_argmax"].long(), int(x["prompt_len"]))
-            rounds += r
-            drafted = [u + v for u, v in zip(drafted, d)]
-            accepted = [u + v for u, v in zip(accepted, a)]
-    return {
-        "mean_acceptance_length": 1 + sum(accepted) / max(rounds, 1),
-        "rounds": rounds,
-        "accepted_per_position": accepted,
-        "drafted_per_position": drafted,
-        "acceptance_rate_per_position": [a / max(rounds, 1) for a in accepted],
-    }
+            stats = stats + replay_record(preds[:, b, : n - 1], x["input_ids"].long(), x["target_argmax"].long(),
+                                          int(x["prompt_len"]))
+    return stats

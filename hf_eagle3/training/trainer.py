@@ -19,6 +19,7 @@ from ..configuration_eagle3 import Eagle3Config, default_feature_layer_ids
 from ..modeling_eagle3 import Eagle3DraftModel
 from .features import FeatureShards, collate
 from .hardware import resolve_dtype
+from .replay import replay_chain_acceptance
 from .ttt import TTTObjective, ttt_loss
 
 
@@ -390,10 +391,9 @@ def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int
 
     Returns:
         ``{"acc": [...], "loss": [...], "count": ...}`` averaged over counted positions, plus ``"chain"`` (the
-        replay's statistics) when ``chain_length`` > 0.
+        replay's :meth:`~hf_eagle3.stats.Eagle3Stats.to_dict`, with ``"k"``: ``chain_length``) when ``chain_length``
+        > 0.
     """
-    from .replay import replay_chain_acceptance
-
     head = check_draft_matches_features(draft, features_dir)
     embed = torch.nn.Embedding.from_pretrained(head["embed_tokens"], freeze=True)
     draft._target_embedding = (embed,)
@@ -412,6 +412,7 @@ def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int
             cnt[k] += stats["count"][k]
     out = {"acc": [a / max(c, 1) for a, c in zip(acc, cnt)], "loss": [l / max(c, 1) for l, c in zip(los, cnt)], "count": cnt[0]}
     if chain_length:
-        out["chain"] = replay_chain_acceptance(draft, data.records(shards), chain_length, batch_tokens)
+        replay = replay_chain_acceptance(draft, data.records(shards), chain_length, batch_tokens)
+        out["chain"] = {"k": chain_length, **replay.to_dict()}
     draft._target_embedding = None
     return out
