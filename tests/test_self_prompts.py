@@ -206,3 +206,29 @@ def test_cli_prepare_self_prompts_writes_prompts_and_answers(tok, writer, tmp_pa
     assert len(ids) == 9 and "g0" in ids and sum(i.startswith("self-5-") for i in ids) == 4
     train_cli.main(argv + ["--prompts", str(given), "--self-prompts-file", str(own), "--seed", "5"])
     assert len(list(iter_records(out))) == 9
+
+
+# ---------------------------------------------------------------------------------- the committed training data
+def test_committed_self_prompts_are_distinct_clean_and_answered():
+    """The self-written prompts the shipped draft was trained on (``examples/data/...-responses/self_prompts-*``):
+    no prompt twice within or across seeds' files (normalised), none the filter rejects, and every answer in the
+    matching ``responses-*`` file belongs to one of them."""
+    import gzip
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[1] / "examples" / "data" / "smollm2-135m-instruct-responses"
+    files = sorted(data.glob("self_prompts-*.jsonl"))
+    assert len(files) >= 3  # seeds 0, 1 and 2
+    seen, rule = {}, PromptFilter()
+    for path in files:
+        rows = _prompts(path)
+        ids = {r["id"] for r in rows}
+        for r in rows:
+            key = normalize_prompt(r["prompt"])
+            assert key not in seen, f"{r['id']} repeats {seen.get(key)}"
+            seen[key] = r["id"]
+            assert rule.reason(r["prompt"]) is None, r["id"]
+        with gzip.open(data / (path.name.replace("self_prompts", "responses") + ".gz"), "rt") as f:
+            answered = [json.loads(line)["id"] for line in f]
+        assert answered and set(answered) <= ids and len(set(answered)) == len(answered)
+    assert len(seen) >= 2600
