@@ -103,7 +103,7 @@ def test_shipped_draft_on_smollm2_reports_the_right_layer_ids(smollm2, tmp_path)
     """The shipped draft reads [2, 15, 27]: measured, that beats the shifted ids. Written the wrong way into a flat
     config (our ids in eagle_config, which means output-of-layer), check finds the fix."""
     model, tok = smollm2
-    report = check_draft(SHIPPED_DRAFT, model, tok, k=4)  # the defaults: 4 prompts x 64 tokens
+    report = check_draft(SHIPPED_DRAFT, model, tok, k=4)  # the defaults: 4 prompts x 96 tokens
     assert report["problems"] == [] and report["notes"] == [] and report["layers"]["as_read"] == [2, 15, 27]
     good, shifted = report["candidates"]
     assert shifted["layer_ids"] == [3, 16, 28]
