@@ -155,6 +155,16 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoint_resumes(tmp_path):
     draft = init_draft(draft_config_for_target(head["config"], 128, intermediate_size=96), head, d2t, t2d)
     shards = sorted(feats.glob("shard-*.pt"))
     before = evaluate(draft, feats, shards=shards[:2], ttt_length=3)
+    # vocabulary coverage, against the target's own argmax, for a small vocabulary built from a few answers
+    small_d2t, small_t2d = build_vocab_mapping(count_tokens(r["response_ids"] for r in records[:3]), 32, 256)
+    small = init_draft(draft_config_for_target(head["config"], 32, intermediate_size=96), head, small_d2t, small_t2d)
+    with torch.no_grad():
+        argmax = [target(torch.tensor([r["prompt_ids"] + r["response_ids"]])).logits[0].argmax(-1)
+                  [len(r["prompt_ids"]) - 1 : -1] for r in records]
+    expected = float(torch.cat([small_t2d.bool()[a] for a in argmax]).float().mean())
+    coverage = evaluate(small, feats, shards=shards, ttt_length=1, chain_length=0)["vocab_coverage"]
+    assert 0.0 < expected < 1.0 and coverage == pytest.approx(expected)
+    assert evaluate(draft, feats, shards=shards, ttt_length=1, chain_length=0)["vocab_coverage"] == 1.0  # greedy answers
     cfg = TrainConfig(lr=3e-3, epochs=4, batch_tokens=256, warmup_steps=2, ttt_length=3, log_every=1,
                       save_every=1000, mixed_precision="no", holdout_shards=1)
     draft = train(draft, feats, tmp_path / "run", cfg, log=lambda s: None)

@@ -223,6 +223,8 @@ def cmd_train(args) -> None:
         "config": vars(args),
     }, indent=2, default=str))
     print(f"saved {save_dir}; holdout per-step accuracy {[round(a, 3) for a in metrics.get('acc', [])]}")
+    if "vocab_coverage" in metrics:
+        print(f"holdout answer tokens in the draft vocabulary: {metrics['vocab_coverage']:.1%}")
     if "chain" in metrics:
         chain = metrics["chain"]
         print(f"holdout answers replayed as greedy chain decoding ({chain['k']} draft tokens a round): mean acceptance "

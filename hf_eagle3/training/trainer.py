@@ -390,7 +390,9 @@ def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int
         chain_length: draft tokens per round of the replayed chain (0: no replay).
 
     Returns:
-        ``{"acc": [...], "loss": [...], "count": ...}`` averaged over counted positions, plus ``"chain"`` (the
+        ``{"acc": [...], "loss": [...], "count": ...}`` averaged over counted positions; ``"vocab_coverage"``, the
+        share of answer positions whose target argmax is in the draft vocabulary (the others are never accepted
+        and not counted in ``acc``: a low coverage calls for a larger ``--draft-vocab-size``); and ``"chain"`` (the
         replay's :meth:`~hf_eagle3.stats.Eagle3Stats.to_dict`, with ``"k"``: ``chain_length``) when ``chain_length``
         > 0.
     """
@@ -403,14 +405,20 @@ def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int
     acc = [0.0] * ttt_length
     los = [0.0] * ttt_length
     cnt = [0.0] * ttt_length
+    answer_positions = covered = 0
     for _, _, items in data.batches(0, shards):
+        for x in items:  # position i predicts token i + 1: answer positions are prompt_len - 1 .. L - 2
+            argmax = x["target_argmax"][x["prompt_len"] - 1 : len(x["input_ids"]) - 1]
+            answer_positions += len(argmax)
+            covered += int(draft.t2d.bool()[argmax].sum())
         batch = collate(items, draft.t2d.bool(), head["lm_head"][used])
         _, stats = ttt_loss(draft, batch["features"], batch["input_ids"], batch["target_logits"], batch["loss_mask"], ttt_length)
         for k in range(ttt_length):
             acc[k] += stats["acc"][k] * stats["count"][k]
             los[k] += stats["loss"][k] * stats["count"][k]
             cnt[k] += stats["count"][k]
-    out = {"acc": [a / max(c, 1) for a, c in zip(acc, cnt)], "loss": [l / max(c, 1) for l, c in zip(los, cnt)], "count": cnt[0]}
+    out = {"acc": [a / max(c, 1) for a, c in zip(acc, cnt)], "loss": [l / max(c, 1) for l, c in zip(los, cnt)], "count": cnt[0],
+           "vocab_coverage": covered / max(answer_positions, 1)}
     if chain_length:
         replay = replay_chain_acceptance(draft, data.records(shards), chain_length, batch_tokens)
         out["chain"] = {"k": chain_length, **replay.to_dict()}
