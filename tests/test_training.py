@@ -476,7 +476,7 @@ def test_remap_draft_vocab_keeps_trained_rows_and_takes_new_ones_from_the_target
     head = target.lm_head.weight.detach()
     rows = remap_draft_vocab(draft, d2t, t2d, head)
     new_used = (torch.arange(70) + d2t).tolist()
-    assert rows == {"kept": 40, "new": 30} and draft.config.draft_vocab_size == 70 and draft.lm_head.out_features == 70
+    assert rows == {"kept": 40, "new": 30, "mapped": False} and draft.config.draft_vocab_size == 70 and draft.lm_head.out_features == 70
     check_vocab_mapping(draft.d2t, draft.t2d)
     for i, t in enumerate(new_used):
         expected = old_rows[t] if t in old_rows else head[t]
@@ -486,3 +486,25 @@ def test_remap_draft_vocab_keeps_trained_rows_and_takes_new_ones_from_the_target
         torch.testing.assert_close(after[new_used.index(t)], before[old_used.index(t)], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="same target"):
         remap_draft_vocab(draft, *build_vocab_mapping(Counter({5: 1}), 10, 300), head)
+
+
+def test_remap_draft_vocab_maps_new_rows_like_the_trained_ones():
+    """With enough kept rows, a new token's row is the target's row through the map that takes the kept tokens'
+    target rows to their trained rows: exact when training moved every row by one linear map."""
+    from hf_eagle3.training.vocab import remap_draft_vocab
+
+    target = tiny_target("llama")
+    head = target.lm_head.weight.detach()
+    draft = tiny_draft(target, draft_vocab_size=160).float()
+    old_used = (torch.arange(160) + draft.d2t).tolist()
+    turn = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) / 8
+    with torch.no_grad():  # "training" turned and scaled every row the same way
+        draft.lm_head.weight.copy_(head[old_used] @ turn)
+    fresh = [t for t in range(256) if t not in old_used][:40]
+    d2t, t2d = build_vocab_mapping(Counter({t: 100 for t in old_used} | {t: 50 for t in fresh}), 200, 256)
+    rows = remap_draft_vocab(draft, d2t, t2d, head)
+    assert rows == {"kept": 160, "new": 40, "mapped": True}
+    new_used = (torch.arange(200) + d2t).tolist()
+    for t in fresh:
+        torch.testing.assert_close(draft.lm_head.weight[new_used.index(t)], head[t] @ turn, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(draft.lm_head.weight[new_used.index(t)], head[t], atol=1e-2)

@@ -184,7 +184,8 @@ def cmd_train(args) -> None:
             d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
             rows = remap_draft_vocab(draft, d2t, t2d, head["lm_head"])
             print(f"draft vocab rebuilt from {sum(counts.values())} response tokens: covers {before:.4f} -> "
-                  f"{coverage(counts, d2t):.4f} of them; {rows['kept']} rows kept, {rows['new']} from the target")
+                  f"{coverage(counts, d2t):.4f} of them; {rows['kept']} rows kept, {rows['new']} from the target's"
+                  + (" (through the map fitted on the kept rows)" if rows["mapped"] else ""))
     else:
         vocab_file = out / "vocab.pt"
         if not vocab_file.exists() and state.is_main_process:
