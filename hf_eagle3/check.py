@@ -27,11 +27,11 @@ CHECK_PROMPTS = (
     "What are three tips for staying productive when working from home?",
     "Describe how a bicycle works to a ten-year-old.",
 )
-# a trained draft reads a layer's neighbours almost as well as the layer: 4 prompts x 64 tokens are needed to tell
-# them apart (SmolLM2 draft of session 6 at 48 tokens: 1.49 vs 1.42 shifted, where 3 x 32 gave 1.47 vs 1.44;
-# session 7's: 1.57 vs 1.49; session 8's: 1.53 vs 1.48 at 48 tokens, inside TIE_MARGIN, and 1.58 vs 1.49 at 64;
-# session 9's: 1.52 vs 1.51 at 64, 1.57 vs 1.49 at 96). The better the draft, the closer the two: decoding is a
-# coarse probe of the layer ids, so it gets 96 tokens a prompt.
+# a trained draft reads a layer's neighbours almost as well as the layer: many tokens are needed to tell them apart
+# (SmolLM2 draft of session 6 at 48 tokens: 1.49 vs 1.42 shifted, where 3 x 32 gave 1.47 vs 1.44; session 7's:
+# 1.57 vs 1.49; session 8's: 1.53 vs 1.48 at 48 tokens, inside TIE_MARGIN, and 1.58 vs 1.49 at 64; session 9's:
+# 1.52 vs 1.51 at 64, 1.57 vs 1.49 at 96). The better the draft, the closer the two: decoding is a coarse probe of
+# the layer ids, so it gets 96 tokens a prompt.
 DEFAULT_NUM_PROMPTS = 4
 DEFAULT_MAX_NEW_TOKENS = 96
 DEFAULT_K = 5

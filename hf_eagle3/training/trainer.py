@@ -407,11 +407,9 @@ def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int
     cnt = [0.0] * ttt_length
     answer_positions = covered = 0
     for _, _, items in data.batches(0, shards):
-        for x in items:  # position i predicts token i + 1: answer positions are prompt_len - 1 .. L - 2
-            argmax = x["target_argmax"][x["prompt_len"] - 1 : len(x["input_ids"]) - 1]
-            answer_positions += len(argmax)
-            covered += int(draft.t2d.bool()[argmax].sum())
         batch = collate(items, draft.t2d.bool(), head["lm_head"][used])
+        answer_positions += sum(len(x["input_ids"]) - x["prompt_len"] for x in items)
+        covered += int(batch["loss_mask"].sum())  # answer positions whose target argmax the draft vocabulary holds
         _, stats = ttt_loss(draft, batch["features"], batch["input_ids"], batch["target_logits"], batch["loss_mask"], ttt_length)
         for k in range(ttt_length):
             acc[k] += stats["acc"][k] * stats["count"][k]
