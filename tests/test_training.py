@@ -508,3 +508,45 @@ def test_remap_draft_vocab_maps_new_rows_like_the_trained_ones():
     for t in fresh:
         torch.testing.assert_close(draft.lm_head.weight[new_used.index(t)], head[t] @ turn, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(draft.lm_head.weight[new_used.index(t)], head[t], atol=1e-2)
+
+
+def test_train_seed_orders_the_shards_and_reaches_the_trainer(tmp_path, monkeypatch):
+    """``train --seed`` changes the order in which shards are read (so that a run continuing a draft for part of a
+    pass can start with other shards than the last run), the same seed gives the same order, and the CLI hands the
+    seed to the trainer."""
+    import json
+
+    from hf_eagle3.training import trainer as trainer_module
+    from hf_eagle3.training.cli import main
+    from hf_eagle3.training.features import FeatureShards
+
+    target = tiny_target("llama")
+    records = _tiny_records(target, n=6, new=8)
+    feats = tmp_path / "features"
+    cache_features(target, records, feats, [1, 2, 4], per_shard=1, dtype=torch.float32, progress=False)
+
+    def order(seed):
+        return [path.name for path, _, _ in FeatureShards(feats, 256, seed=seed).batches(0)]
+
+    assert len(order(0)) == 6 and order(0) == order(0)
+    assert any(order(seed) != order(0) for seed in range(1, 6))
+
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "responses-00000.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_train(draft, features_dir, run_dir, cfg, **kw):
+        seen.append(cfg.seed)
+        raise Stop
+
+    monkeypatch.setattr(trainer_module, "train", fake_train)
+    with pytest.raises(Stop):
+        main(["train", "--data", str(data), "--out", str(tmp_path / "out"), "--skip-features", "--features-dir",
+              str(feats), "--draft-vocab-size", "64", "--seed", "7", "--mixed-precision", "no"])
+    assert seen == [7]

@@ -204,7 +204,7 @@ def cmd_train(args) -> None:
         warmup_steps=args.warmup_steps, max_prompt_context=args.max_prompt_context,
         prompt_loss_weight=args.prompt_loss_weight,
         mixed_precision=args.mixed_precision, save_every=args.save_every, max_steps=args.max_steps,
-        max_minutes=args.max_minutes, holdout_shards=args.holdout_shards,
+        max_minutes=args.max_minutes, holdout_shards=args.holdout_shards, seed=args.seed,
     )
     t0 = time.time()
     draft = train(draft, features_dir, out / "run", cfg)
@@ -347,6 +347,9 @@ def register(subparsers) -> None:
                    help="also train on prompt positions with this weight (default 0: responses only, the reference)")
     t.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"],
                    help="autocast of training (default auto: bf16 on GPUs and CPUs with bf16 hardware, no elsewhere)")
+    t.add_argument("--seed", type=int, default=0,
+                   help="seed of the shard and batch order and of torch while training (default 0); a run that "
+                        "continues a draft for part of a pass sees other shards first with a new seed")
     t.add_argument("--save-every", type=int, default=100, help="checkpoint every N optimiser steps (default 100)")
     t.add_argument("--max-steps", type=int, default=0, help="stop after N optimiser steps (default 0: no limit)")
     t.add_argument("--max-minutes", type=float, default=0.0,
