@@ -143,6 +143,17 @@ def _tiny_records(target, n=24, prompt=8, new=24, seed=0):
     return records
 
 
+def _responses_dir(path, records):
+    """Write ``records`` where ``train --data`` reads them (``path/responses-00000.jsonl``) and return ``path``."""
+    import json
+
+    path.mkdir()
+    with open(path / "responses-00000.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
 def test_a_few_training_steps_reduce_the_loss_and_checkpoint_resumes(tmp_path):
     target = tiny_target("llama")
     with torch.no_grad():  # a peaked target distribution, so that a draft can learn something within a few steps
@@ -188,8 +199,6 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoint_resumes(tmp_path):
 def test_a_draft_that_does_not_match_the_features_is_refused_before_any_work(tmp_path):
     """Other layer ids (would train silently, then read the wrong layers at inference), another target's sizes,
     and a missing features directory: a clear error, and no output directory left behind."""
-    import json
-
     from hf_eagle3.training.cli import main
     from hf_eagle3.training.trainer import check_draft_matches_features
 
@@ -218,11 +227,7 @@ def test_a_draft_that_does_not_match_the_features_is_refused_before_any_work(tmp
         check_draft_matches_features(matching, tmp_path / "nothing")
 
     # the CLI: --init-draft with a draft for other layers is refused before vocab.pt or a run directory is written
-    data = tmp_path / "data"
-    data.mkdir()
-    with open(data / "responses-00000.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+    data = _responses_dir(tmp_path / "data", records)
     default_ids.save_pretrained(tmp_path / "init")
     out = tmp_path / "out"
     with pytest.raises(ValueError, match="captured at target layers"):
@@ -297,11 +302,7 @@ def test_train_cli_end_to_end_and_exports_reload(tmp_path):
 
     target = tiny_target("llama")
     target.save_pretrained(tmp_path / "target")
-    data = tmp_path / "data"
-    data.mkdir()
-    with open(data / "responses-00000.jsonl", "w") as f:
-        for r in _tiny_records(target, n=12, new=16):
-            f.write(json.dumps(r) + "\n")
+    data = _responses_dir(tmp_path / "data", _tiny_records(target, n=12, new=16))
     out = tmp_path / "out"
     main(["train", "--target", str(tmp_path / "target"), "--data", str(data), "--out", str(out),
           "--draft-vocab-size", "64", "--per-shard", "4", "--max-steps", "3", "--batch-tokens", "256",
@@ -514,8 +515,6 @@ def test_train_seed_orders_the_shards_and_reaches_the_trainer(tmp_path, monkeypa
     """``train --seed`` changes the order in which shards are read (so that a run continuing a draft for part of a
     pass can start with other shards than the last run), the same seed gives the same order, and the CLI hands the
     seed to the trainer."""
-    import json
-
     from hf_eagle3.training import trainer as trainer_module
     from hf_eagle3.training.cli import main
     from hf_eagle3.training.features import FeatureShards
@@ -531,11 +530,7 @@ def test_train_seed_orders_the_shards_and_reaches_the_trainer(tmp_path, monkeypa
     assert len(order(0)) == 6 and order(0) == order(0)
     assert any(order(seed) != order(0) for seed in range(1, 6))
 
-    data = tmp_path / "data"
-    data.mkdir()
-    with open(data / "responses-00000.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+    data = _responses_dir(tmp_path / "data", records)
     seen = []
 
     class Stop(Exception):
