@@ -112,7 +112,10 @@ def test_ttt_loss_matches_direct_computation_and_masking():
     torch.testing.assert_close(loss, torch.as_tensor(expected, dtype=loss.dtype), atol=1e-4, rtol=1e-4)
     # a fully masked batch contributes nothing
     zero, stats0 = ttt_loss(draft, feats, ids, tlogits, torch.zeros(b, n), ttt_length=3)
-    assert float(zero) == 0.0 and stats0["count"] == [0.0, 0.0, 0.0]
+    assert float(zero.detach()) == 0.0 and stats0["count"] == [0.0, 0.0, 0.0]
+    zero.backward()  # and still backpropagates (a training step on it must not fail), with zero gradients everywhere
+    grads = [q.grad for q in draft.parameters() if q.requires_grad]
+    assert grads and all(g is not None and not g.any() for g in grads)
 
 
 def test_collate_mask_counts_response_tokens_in_draft_vocab():
@@ -334,6 +337,38 @@ def test_train_cli_end_to_end_and_exports_reload(tmp_path):
     again = hf_eagle3.Eagle3DraftModel.from_pretrained(tmp_path / "again" / "draft")
     assert again.config.draft_vocab_size == 80 and again.lm_head.out_features == 80
     assert torch.equal(target.generate(ids, assistant_model=again, max_new_tokens=12, do_sample=False), ref)
+
+
+def test_train_vocabulary_counts_all_of_data_when_max_records_cuts_the_feature_pass(tmp_path):
+    """``train --max-records N`` caches features for the first N records only; the draft vocabulary (new, or rebuilt
+    with ``--rebuild-vocab``) still counts the answers of every record of ``--data``, so a token that only the later
+    records use is in it."""
+    from hf_eagle3.training.cli import main
+
+    target = tiny_target("llama")
+    target.save_pretrained(tmp_path / "target")
+    g = torch.Generator().manual_seed(0)
+    records = [{"id": str(i), "prompt_ids": torch.randint(4, 256, (6,), generator=g).tolist(),
+                "response_ids": (torch.randint(4, 40, (12,), generator=g).tolist() if i < 2 else [200, 201] * 6)}
+               for i in range(8)]
+    data = _responses_dir(tmp_path / "data", records)
+    common = ["--target", str(tmp_path / "target"), "--data", str(data), "--max-records", "2", "--per-shard", "1",
+              "--max-steps", "1", "--batch-tokens", "64", "--mixed-precision", "no", "--save-dtype", "float32",
+              "--feature-dtype", "float32"]
+    main(["train", *common, "--out", str(tmp_path / "new"), "--draft-vocab-size", "16"])
+    d2t, _ = torch.load(tmp_path / "new" / "vocab.pt")
+    used = (torch.arange(16) + d2t).tolist()
+    assert 200 in used and 201 in used  # only records 3..8 hold them: counted although they have no features
+    assert len(list((tmp_path / "new" / "features").glob("shard-*.pt"))) == 2  # the feature pass took 2 records
+    first = hf_eagle3.Eagle3DraftModel.from_pretrained(tmp_path / "new" / "draft")
+    with torch.no_grad():  # a draft whose vocabulary lacks them, rebuilt from --data alone (no --vocab-data)
+        first.d2t.zero_()
+    first.save_pretrained(tmp_path / "narrow")
+    assert 200 not in (torch.arange(16) + hf_eagle3.Eagle3DraftModel.from_pretrained(tmp_path / "narrow").d2t).tolist()
+    main(["train", *common, "--out", str(tmp_path / "again"), "--features-dir", str(tmp_path / "new" / "features"),
+          "--skip-features", "--init-draft", str(tmp_path / "narrow"), "--rebuild-vocab", "--draft-vocab-size", "16"])
+    again = hf_eagle3.Eagle3DraftModel.from_pretrained(tmp_path / "again" / "draft")
+    assert {200, 201} <= set((torch.arange(16) + again.d2t).tolist())
 
 
 @pytest.mark.slow

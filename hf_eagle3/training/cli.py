@@ -141,10 +141,10 @@ def cmd_train(args) -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    records = list(iter_records(args.data))
-    if args.max_records:
-        records = records[: args.max_records]
-    print(f"{len(records)} records from {args.data}")
+    all_records = list(iter_records(args.data))  # the vocabulary counts them all; --max-records cuts the feature pass
+    records = all_records[: args.max_records] if args.max_records else all_records
+    print(f"{len(records)} records from {args.data}" + (f" (of {len(all_records)}; the draft vocabulary counts them all)"
+                                                       if len(records) < len(all_records) else ""))
     features_dir = Path(args.features_dir or out / "features")
     # Under `accelerate launch` / torchrun: the main process caches the features and builds the vocabulary, the
     # others wait and read them; training is data parallel; only the main process saves.
@@ -177,7 +177,7 @@ def cmd_train(args) -> None:
         if args.rebuild_vocab:
             from .vocab import remap_draft_vocab
 
-            counts = count_tokens(r["response_ids"] for r in records)
+            counts = count_tokens(r["response_ids"] for r in all_records)
             for extra in args.vocab_data or []:
                 counts.update(count_tokens(r["response_ids"] for r in iter_records(extra)))
             before = coverage(counts, draft.d2t.cpu())
@@ -189,7 +189,7 @@ def cmd_train(args) -> None:
     else:
         vocab_file = out / "vocab.pt"
         if not vocab_file.exists() and state.is_main_process:
-            counts = count_tokens(r["response_ids"] for r in records)
+            counts = count_tokens(r["response_ids"] for r in all_records)
             d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
             torch.save((d2t, t2d), vocab_file)
             print(f"draft vocab {args.draft_vocab_size}: covers {coverage(counts, d2t):.4f} of response tokens")
@@ -315,7 +315,9 @@ def register(subparsers) -> None:
                    help="features are already cached (by prepare --features-dir): no feature pass (default: run it)")
     t.add_argument("--complete-shards-only", action="store_true",
                    help="leave a last, partial feature shard unwritten, for data still growing (default: write it)")
-    t.add_argument("--max-records", type=int, default=0, help="use the first N records (default 0: all)")
+    t.add_argument("--max-records", type=int, default=0,
+                   help="cache features for the first N records only (default 0: all); the draft vocabulary is "
+                        "counted over all of --data either way")
     t.add_argument("--per-shard", type=int, default=128, help="records per feature shard (default 128)")
     t.add_argument("--feature-batch", type=int, default=8,
                    help="sequences per target forward in the feature pass (default 8)")

@@ -152,7 +152,8 @@ def ttt_loss(
         sel = mask_all[:, window] > 0  # the LM head and the loss only where the position counts
         count = int(sel.sum())
         stats["count"].append(float(count))
-        if count == 0:
+        if count == 0:  # nothing to learn here; keep every weight in the graph so that backward (and DDP) run
+            total = total + 0.0 * draft.compute_logits(hidden[:, :1]).float().sum()
             stats["loss"].append(0.0)
             stats["acc"].append(0.0)
             continue
