@@ -118,6 +118,35 @@ def test_ttt_loss_matches_direct_computation_and_masking():
     assert grads and all(g is not None and not g.any() for g in grads)
 
 
+def test_ttt_loss_target_temperature_sharpens_the_soft_labels():
+    torch.manual_seed(2)
+    _, draft = _bound_draft()
+    b, n, T, dv = 2, 6, draft.config.target_hidden_size, draft.config.draft_vocab_size
+    feats, ids = torch.randn(b, n, 3 * T), torch.randint(0, 64, (b, n))
+    tlogits, mask = torch.randn(b, n, dv), torch.ones(b, n)
+    mask[:, -1] = 0
+    ref, ref_stats = ttt_loss(draft, feats, ids, tlogits, mask, ttt_length=2)
+    # temperature T on the labels == the reference loss on logits / T
+    half, half_stats = ttt_loss(draft, feats, ids, tlogits, mask, ttt_length=2, target_temperature=0.5)
+    torch.testing.assert_close(half, ttt_loss(draft, feats, ids, 2 * tlogits, mask, ttt_length=2)[0])
+    assert not torch.allclose(half, ref) and half_stats["acc"] == ref_stats["acc"]  # accuracy is the argmax's
+    # towards 0 the labels become one-hot on the target's argmax: cross-entropy on it
+    cold, _ = ttt_loss(draft, feats, ids, tlogits, mask, ttt_length=2, target_temperature=1e-4)
+    hard = 1e4 * F.one_hot(tlogits.argmax(-1), dv).float()
+    torch.testing.assert_close(cold, ttt_loss(draft, feats, ids, hard, mask, ttt_length=2)[0])
+    with pytest.raises(ValueError, match="target_temperature"):
+        ttt_loss(draft, feats, ids, tlogits, mask, ttt_length=2, target_temperature=0.0)
+
+
+def test_train_cli_refuses_a_non_positive_target_temperature_before_any_work(tmp_path):
+    from hf_eagle3.training.cli import main
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="--target-temperature -1.0: give a temperature > 0"):
+        main(["train", "--data", str(tmp_path / "missing"), "--out", str(out), "--target-temperature", "-1"])
+    assert not out.exists()  # refused before the data is read or anything is written
+
+
 def test_collate_mask_counts_response_tokens_in_draft_vocab():
     t2d = torch.zeros(10, dtype=torch.bool)
     t2d[[1, 2, 3]] = True

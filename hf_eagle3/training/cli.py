@@ -139,6 +139,9 @@ def cmd_train(args) -> None:
     from .trainer import TrainConfig, draft_config_for_target, end_distributed, evaluate, init_draft, train
     from .vocab import build_vocab_mapping, count_tokens, coverage
 
+    if not args.target_temperature > 0:  # before any record is read or feature computed
+        raise SystemExit(f"--target-temperature {args.target_temperature}: give a temperature > 0 (1 = the target's "
+                         "own distribution, the reference recipe; e.g. 0.5 sharpens it for greedy decoding).")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     all_records = list(iter_records(args.data))  # the vocabulary counts them all; --max-records cuts the feature pass
@@ -202,7 +205,7 @@ def cmd_train(args) -> None:
     cfg = TrainConfig(
         ttt_length=args.ttt_length, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
         warmup_steps=args.warmup_steps, max_prompt_context=args.max_prompt_context,
-        prompt_loss_weight=args.prompt_loss_weight,
+        prompt_loss_weight=args.prompt_loss_weight, target_temperature=args.target_temperature,
         mixed_precision=args.mixed_precision, save_every=args.save_every, max_steps=args.max_steps,
         max_minutes=args.max_minutes, holdout_shards=args.holdout_shards, seed=args.seed,
     )
@@ -347,6 +350,9 @@ def register(subparsers) -> None:
                    help="prompt tokens kept before each response (default 256)")
     t.add_argument("--prompt-loss-weight", type=float, default=0.0,
                    help="also train on prompt positions with this weight (default 0: responses only, the reference)")
+    t.add_argument("--target-temperature", type=float, default=1.0,
+                   help="temperature of the target's distribution used as soft labels (default 1: the reference; "
+                        "below 1 sharpens it towards the argmax that greedy decoding accepts)")
     t.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"],
                    help="autocast of training (default auto: bf16 on GPUs and CPUs with bf16 hardware, no elsewhere)")
     t.add_argument("--seed", type=int, default=0,

@@ -36,6 +36,8 @@ class TrainConfig:
         grad_clip: gradient-norm clip.
         max_prompt_context: prompt tokens kept before each response.
         prompt_loss_weight: weight of prompt positions in the loss (0 = the reference recipe: responses only).
+        target_temperature: temperature of the soft labels (1 = the reference recipe; below 1 sharpens them towards
+            the target's argmax, see :func:`~hf_eagle3.training.ttt.ttt_loss`).
         mixed_precision: ``"auto"`` (bf16 where the hardware computes it, else no autocast), ``"bf16"``,
             ``"fp16"`` or ``"no"`` (accelerate autocast).
         save_every: checkpoint every this many optimiser steps.
@@ -57,6 +59,7 @@ class TrainConfig:
     grad_clip: float = 0.5
     max_prompt_context: int = 256
     prompt_loss_weight: float = 0.0
+    target_temperature: float = 1.0
     mixed_precision: str = "auto"
     save_every: int = 100
     log_every: int = 10
@@ -263,7 +266,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
         if main:
             log(f"resumed from {ckpt} at step {step} (epoch {start_epoch}, batch {skip})")
     draft.train()
-    model, opt = accelerator.prepare(TTTObjective(draft, cfg.ttt_length), opt)
+    model, opt = accelerator.prepare(TTTObjective(draft, cfg.ttt_length, cfg.target_temperature), opt)
     unwrapped = accelerator.unwrap_model(model).draft
     embed = embed.to(accelerator.device)
     unwrapped._target_embedding = (embed,)

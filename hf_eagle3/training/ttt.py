@@ -121,6 +121,7 @@ def ttt_loss(
     loss_mask: torch.Tensor,
     ttt_length: int = 7,
     step_decay: float = 0.8,
+    target_temperature: float = 1.0,
 ):
     """Compute the TTT loss of one batch.
 
@@ -134,15 +135,21 @@ def ttt_loss(
             whose target argmax is in the draft vocabulary.
         ttt_length: unrolled draft steps.
         step_decay: step k is weighted ``step_decay ** k``.
+        target_temperature: the soft labels are ``softmax(target_logits / target_temperature)``; 1 is the reference
+            recipe (the target's own distribution), below 1 sharpens them towards the target's argmax, which is what
+            greedy verification accepts (towards 0 the loss becomes cross-entropy on the argmax). The accuracy
+            statistics do not depend on it.
 
     Returns:
         ``(loss, stats)``: the sum over steps (weighted ``step_decay ** k``) of each step's weighted mean soft
         cross-entropy over its counted positions, and per-step ``loss``, ``acc`` (draft argmax == target argmax,
         weighted alike) and ``count`` lists.
     """
+    if not target_temperature > 0:
+        raise ValueError(f"target_temperature must be > 0 (1 = the target's distribution), got {target_temperature}")
     m = input_ids.shape[1] - 1
     pad = ttt_length + 1  # pad once so that every step reads a window [1 + k, 1 + k + m)
-    probs_all = F.pad(target_logits.float().softmax(-1), (0, 0, 0, pad))
+    probs_all = F.pad((target_logits.float() / target_temperature).softmax(-1), (0, 0, 0, pad))
     argmax_all = F.pad(target_logits.argmax(-1), (0, pad))
     mask_all = F.pad(loss_mask.float(), (0, pad))
     total = features.new_zeros((), dtype=torch.float32)
@@ -176,13 +183,16 @@ class TTTObjective(torch.nn.Module):
     Args:
         draft: the draft being trained (bound to an embedding).
         ttt_length: unrolled draft steps.
+        target_temperature: temperature of the soft labels (see :func:`ttt_loss`).
     """
 
-    def __init__(self, draft: Eagle3DraftModel, ttt_length: int):
+    def __init__(self, draft: Eagle3DraftModel, ttt_length: int, target_temperature: float = 1.0):
         super().__init__()
         self.draft = draft
         self.ttt_length = ttt_length
+        self.target_temperature = target_temperature
 
     def forward(self, features, input_ids, target_logits, loss_mask):
         """Return ``ttt_loss(draft, ...)``: the loss and the per-step statistics."""
-        return ttt_loss(self.draft, features, input_ids, target_logits, loss_mask, self.ttt_length)
+        return ttt_loss(self.draft, features, input_ids, target_logits, loss_mask, self.ttt_length,
+                        target_temperature=self.target_temperature)
