@@ -1,4 +1,5 @@
-"""``hf-eagle3 prepare`` and ``hf-eagle3 train``: data generation and draft training from the command line."""
+"""``hf-eagle3 prepare``, ``train`` and ``evaluate``: data generation, draft training and scoring from the command
+line."""
 
 from __future__ import annotations
 
@@ -226,14 +227,8 @@ def cmd_train(args) -> None:
         "records": len(records), "train_minutes_this_run": minutes, "holdout": metrics,
         "config": vars(args),
     }, indent=2, default=str))
-    print(f"saved {save_dir}; holdout per-step accuracy {[round(a, 3) for a in metrics.get('acc', [])]}")
-    if "vocab_coverage" in metrics:
-        print(f"holdout answer tokens in the draft vocabulary: {metrics['vocab_coverage']:.1%}")
-    if "chain" in metrics:
-        chain = metrics["chain"]
-        print(f"holdout answers replayed as greedy chain decoding ({chain['k']} draft tokens a round): mean acceptance "
-              f"length {chain['mean_acceptance_length']:.2f} over {chain['num_drafts']} rounds, per position "
-              f"{[round(a, 2) for a in chain['acceptance_rate_per_position']]}")
+    print(f"saved {save_dir}")
+    print_metrics(metrics, "holdout")
     if args.export_flat or args.export_speculators:
         from .. import export
 
@@ -243,11 +238,61 @@ def cmd_train(args) -> None:
             export.export_speculators(draft, out / "export-speculators")
 
 
+def print_metrics(metrics: dict, label: str) -> None:
+    """Print what :func:`~hf_eagle3.training.trainer.evaluate` measured, a line per figure.
+
+    Args:
+        metrics: its result (``{}`` prints only the accuracy line, empty).
+        label: which answers they were measured on (``"holdout"``, ``"all"``).
+    """
+    print(f"{label} per-step accuracy {[round(a, 3) for a in metrics.get('acc', [])]}")
+    if "vocab_coverage" in metrics:
+        print(f"{label} answer tokens in the draft vocabulary: {metrics['vocab_coverage']:.1%}")
+    if "chain" in metrics:
+        chain = metrics["chain"]
+        print(f"{label} answers replayed as greedy chain decoding ({chain['k']} draft tokens a round): mean acceptance "
+              f"length {chain['mean_acceptance_length']:.3f} over {chain['num_drafts']} rounds, per position "
+              f"{[round(a, 3) for a in chain['acceptance_rate_per_position']]}")
+
+
+def cmd_evaluate(args) -> None:
+    """Score a draft on cached features: per-step accuracy and the replayed greedy chain acceptance.
+
+    Args:
+        args: the parsed ``evaluate`` options.
+    """
+    import torch
+
+    from ..modeling_eagle3 import Eagle3DraftModel
+    from .trainer import evaluate
+
+    if args.k < 1 or args.ttt_length < 1:
+        raise SystemExit(f"--k ({args.k}) and --ttt-length ({args.ttt_length}) must be at least 1.")
+    if args.shards == "holdout" and args.holdout_shards < 1:
+        raise SystemExit("--shards holdout needs --holdout-shards >= 1; use --shards all to score every shard.")
+    if args.json_out and not Path(args.json_out).parent.is_dir():
+        raise SystemExit(f"--json-out {args.json_out}: its directory does not exist.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    draft = Eagle3DraftModel.from_pretrained(args.draft, dtype=torch.float32)
+    shards = "all" if args.shards == "all" else None
+    try:
+        metrics = evaluate(draft, args.features_dir, shards=shards, ttt_length=args.ttt_length,
+                           batch_tokens=args.batch_tokens, max_prompt_context=args.max_prompt_context,
+                           holdout_shards=args.holdout_shards, chain_length=args.k)
+    except (ValueError, FileNotFoundError) as err:
+        raise SystemExit(str(err)) from None
+    print_metrics(metrics, args.shards)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"draft": args.draft, "features_dir": args.features_dir,
+                                                   "shards": args.shards, **metrics}, indent=2))
+
+
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
 def register(subparsers) -> None:
-    """Add the ``prepare`` and ``train`` subcommands to an argparse ``subparsers``.
+    """Add the ``prepare``, ``train`` and ``evaluate`` subcommands to an argparse ``subparsers``.
 
     Args:
         subparsers: what ``ArgumentParser.add_subparsers`` returned.
@@ -373,9 +418,32 @@ def register(subparsers) -> None:
                    help="also write the speculators layout (vLLM) to OUT/export-speculators (default: off)")
     t.set_defaults(func=cmd_train)
 
+    e = subparsers.add_parser(
+        "evaluate",
+        help="score a draft on cached features: per-step accuracy and replayed chain acceptance",
+        description="Run the draft teacher-forced over feature shards (written by `train`, or by `prepare "
+        "--features-dir` on answers to your own prompts) and report its per-step accuracy against the target's "
+        "argmax and the mean acceptance length greedy chain decoding would reach on those answers, replayed from "
+        "one pass instead of decoding. The replay is exact where the answers are the target's greedy ones.",
+    )
+    e.add_argument("--draft", required=True, help="the draft: a directory or Hub id any Eagle3DraftModel loads")
+    e.add_argument("--features-dir", required=True, help="feature shards (shard-*.pt, target_head.pt, meta.json)")
+    e.add_argument("--shards", default="holdout", choices=["holdout", "all"],
+                   help="score the first --holdout-shards shards (those training leaves out) or every shard "
+                   "(default holdout)")
+    e.add_argument("--holdout-shards", type=int, default=1, help="leading shards held out in training (default 1)")
+    e.add_argument("--k", type=int, default=5, help="draft tokens per round of the replayed chain (default 5)")
+    e.add_argument("--ttt-length", type=int, default=5, help="draft steps whose accuracy is reported (default 5)")
+    e.add_argument("--max-prompt-context", type=int, default=256,
+                   help="prompt tokens kept before each answer (default 256)")
+    e.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch (default 4096)")
+    e.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's choice)")
+    e.add_argument("--json-out", default=None, help="also write the figures to this JSON file (default: none)")
+    e.set_defaults(func=cmd_evaluate)
+
 
 def main(argv=None) -> None:
-    """Run ``prepare`` / ``train`` without the package-wide CLI.
+    """Run ``prepare`` / ``train`` / ``evaluate`` without the package-wide CLI.
 
     Args:
         argv: command-line arguments without the program name (default ``sys.argv[1:]``).

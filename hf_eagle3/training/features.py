@@ -160,7 +160,7 @@ class FeatureShards:
         self.max_prompt_context = max_prompt_context
         self.seed = seed
         self.refresh()
-        if not self.shards:
+        if not (self.holdout or self.shards):
             raise FileNotFoundError(f"no feature shards in {root}: run `hf-eagle3 prepare` / cache_features first")
 
     def refresh(self) -> None:

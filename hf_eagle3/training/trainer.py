@@ -211,6 +211,11 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
 
     cfg = cfg or TrainConfig()
     head = check_draft_matches_features(draft, features_dir)  # before anything is written
+    data = FeatureShards(features_dir, cfg.batch_tokens, cfg.max_prompt_context, cfg.holdout_shards, cfg.seed)
+    if not data.shards:
+        raise ValueError(f"all {len(data.holdout)} feature shard(s) in {features_dir} are held out (holdout_shards="
+                         f"{cfg.holdout_shards}): nothing is left to train on. Lower --holdout-shards or write more "
+                         "features.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -221,7 +226,6 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     used = torch.arange(draft.config.draft_vocab_size) + draft.d2t.cpu()
     lm_rows = head["lm_head"][used]
     t2d = draft.t2d.cpu().bool()
-    data = FeatureShards(features_dir, cfg.batch_tokens, cfg.max_prompt_context, cfg.holdout_shards, cfg.seed)
     world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
     per_epoch = data.num_batches() // world  # optimiser steps per epoch, on the data there is now
     # with a time budget the schedule follows the clock (and data may still grow): no step total
@@ -385,7 +389,8 @@ def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int
     Args:
         draft: the draft to evaluate.
         features_dir: the feature shards' directory.
-        shards: these shard paths (default: the first ``holdout_shards``, which training leaves out).
+        shards: these shard paths, or ``"all"`` for every shard in ``features_dir`` (default: the first
+            ``holdout_shards``, which training leaves out).
         ttt_length: unrolled steps whose accuracy is reported.
         batch_tokens: padded tokens per batch.
         max_prompt_context: prompt tokens kept before each answer, as in training.
@@ -400,11 +405,14 @@ def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int
         > 0.
     """
     head = check_draft_matches_features(draft, features_dir)
+    data = FeatureShards(features_dir, batch_tokens, max_prompt_context, holdout_shards=holdout_shards)
+    if shards is None and not data.holdout:
+        raise ValueError(f"nothing to evaluate in {features_dir}: holdout_shards is 0 and no shards were given "
+                         "(pass holdout_shards >= 1, shards=[...] or shards=\"all\").")
+    shards = data.holdout + data.shards if shards == "all" else data.holdout if shards is None else shards
     embed = torch.nn.Embedding.from_pretrained(head["embed_tokens"], freeze=True)
     draft._target_embedding = (embed,)
     used = torch.arange(draft.config.draft_vocab_size) + draft.d2t.cpu()
-    data = FeatureShards(features_dir, batch_tokens, max_prompt_context, holdout_shards=holdout_shards)
-    shards = shards if shards is not None else data.holdout
     acc = [0.0] * ttt_length
     los = [0.0] * ttt_length
     cnt = [0.0] * ttt_length
