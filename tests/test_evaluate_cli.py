@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_target
+from conftest import tiny_records, tiny_target
 
 from hf_eagle3.training.cli import main
 from hf_eagle3.training.features import cache_features
@@ -16,12 +16,7 @@ from hf_eagle3.training.vocab import build_vocab_mapping, count_tokens
 def _features_and_draft(tmp_path, layer_ids=(2, 3, 3)):
     """Two feature shards of a tiny target's greedy answers, and a (new) draft for them saved to disk."""
     target = tiny_target("llama")
-    g = torch.Generator().manual_seed(0)
-    records = []
-    for i in range(8):
-        p = torch.randint(4, target.config.vocab_size, (1, 6), generator=g)
-        out = target.generate(p, max_new_tokens=16, do_sample=False)
-        records.append({"id": str(i), "prompt_ids": p[0].tolist(), "response_ids": out[0, 6:].tolist()})
+    records = tiny_records(target, n=8, prompt=6, new=16)
     feats = tmp_path / "features"
     cache_features(target, records, feats, list(layer_ids), per_shard=4, dtype=torch.float32, progress=False)
     head = torch.load(feats / "target_head.pt", weights_only=False)

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_draft, tiny_target
+from conftest import tiny_draft, tiny_records, tiny_target
 
 import hf_eagle3
 from hf_eagle3.training.features import cache_features, collate
@@ -165,16 +165,6 @@ def test_collate_mask_counts_response_tokens_in_draft_vocab():
     assert weighted["loss_mask"][0].tolist() == [0.5, 1.0, 1.0, 0.0, 0.0]
 
 
-def _tiny_records(target, n=24, prompt=8, new=24, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    records = []
-    for i in range(n):
-        p = torch.randint(4, target.config.vocab_size, (1, prompt), generator=g)
-        out = target.generate(p, max_new_tokens=new, do_sample=False)
-        records.append({"id": str(i), "prompt_ids": p[0].tolist(), "response_ids": out[0, prompt:].tolist()})
-    return records
-
-
 def _responses_dir(path, records):
     """Write ``records`` where ``train --data`` reads them (``path/responses-00000.jsonl``) and return ``path``."""
     import json
@@ -190,7 +180,7 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoint_resumes(tmp_path):
     target = tiny_target("llama")
     with torch.no_grad():  # a peaked target distribution, so that a draft can learn something within a few steps
         target.lm_head.weight.mul_(8)
-    records = _tiny_records(target)
+    records = tiny_records(target)
     feats = tmp_path / "features"
     cache_features(target, records, feats, [2, 3, 3], per_shard=8, dtype=torch.float32, progress=False)
     head = torch.load(feats / "target_head.pt", weights_only=False)
@@ -235,7 +225,7 @@ def test_a_draft_that_does_not_match_the_features_is_refused_before_any_work(tmp
     from hf_eagle3.training.trainer import check_draft_matches_features
 
     target = tiny_target("llama")
-    records = _tiny_records(target, n=4, new=8)
+    records = tiny_records(target, n=4, new=8)
     feats = tmp_path / "features"
     cache_features(target, records, feats, [1, 2, 4], per_shard=2, dtype=torch.float32, progress=False)
     head = torch.load(feats / "target_head.pt", weights_only=False)
@@ -292,7 +282,7 @@ def test_data_parallel_training_on_two_processes(tmp_path, max_minutes):
 
     target = tiny_target("llama")
     feats = tmp_path / "features"
-    cache_features(target, _tiny_records(target, n=20, new=16), feats, [2, 3, 3], per_shard=4, dtype=torch.float32,
+    cache_features(target, tiny_records(target, n=20, new=16), feats, [2, 3, 3], per_shard=4, dtype=torch.float32,
                    progress=False)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -334,7 +324,7 @@ def test_train_cli_end_to_end_and_exports_reload(tmp_path):
 
     target = tiny_target("llama")
     target.save_pretrained(tmp_path / "target")
-    data = _responses_dir(tmp_path / "data", _tiny_records(target, n=12, new=16))
+    data = _responses_dir(tmp_path / "data", tiny_records(target, n=12, new=16))
     out = tmp_path / "out"
     main(["train", "--target", str(tmp_path / "target"), "--data", str(data), "--out", str(out),
           "--draft-vocab-size", "64", "--per-shard", "4", "--max-steps", "3", "--batch-tokens", "256",
@@ -584,7 +574,7 @@ def test_train_seed_orders_the_shards_and_reaches_the_trainer(tmp_path, monkeypa
     from hf_eagle3.training.features import FeatureShards
 
     target = tiny_target("llama")
-    records = _tiny_records(target, n=6, new=8)
+    records = tiny_records(target, n=6, new=8)
     feats = tmp_path / "features"
     cache_features(target, records, feats, [1, 2, 4], per_shard=1, dtype=torch.float32, progress=False)
 
