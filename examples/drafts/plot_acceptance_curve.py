@@ -38,10 +38,12 @@ def main(argv=None) -> int:
     for i, (r, x, y) in enumerate(zip(runs, xs, ys)):
         # labels alternate left-above / right-below of their point; the last one has no room on the right, so the
         # one before it goes right-above, clear of the right-below label under it
-        left = i == len(runs) - 1 or (i % 2 == 1 and i != len(runs) - 2)
-        offset = (-8, 6) if left else (8, 2) if i == len(runs) - 2 else (8, -22)
+        if i == len(runs) - 1 or (i % 2 == 1 and i != len(runs) - 2):
+            offset, ha = (-8, 6), "right"
+        else:
+            offset, ha = ((8, 2) if i == len(runs) - 2 else (8, -22)), "left"
         ax.annotate(f"{r['name']}\n{r['passes']:.1f} passes, {r['cpu_minutes']} CPU min", (x, y),
-                    textcoords="offset points", xytext=offset, fontsize=7, ha="right" if left else "left")
+                    textcoords="offset points", xytext=offset, fontsize=7, ha=ha)
     ax.set_xscale("log")
     ax.set_xlim(min(xs) / 1.25, max(xs) * 1.25)
     ax.set_ylim(min(ys) - 0.05, max(ys) + 0.05)
