@@ -37,8 +37,11 @@ def main(argv=None) -> int:
     ax.plot(xs, ys, "o-", color="tab:blue")
     for i, (r, x, y) in enumerate(zip(runs, xs, ys)):
         # labels alternate left-above / right-below of their point; the last one has no room on the right, so the
-        # one before it goes right-above, clear of the right-below label under it
-        if i == len(runs) - 1 or (i % 2 == 1 and i != len(runs) - 2):
+        # one before it goes right-above, clear of the right-below label under it, and the last one higher up, clear
+        # of the left-above label of the point two before it (the last sessions' points lie close together)
+        if i == len(runs) - 1:
+            offset, ha = (-8, 16), "right"
+        elif i % 2 == 1 and i != len(runs) - 2:
             offset, ha = (-8, 6), "right"
         else:
             offset, ha = ((8, 2) if i == len(runs) - 2 else (8, -22)), "left"
@@ -46,7 +49,7 @@ def main(argv=None) -> int:
                     textcoords="offset points", xytext=offset, fontsize=7, ha=ha)
     ax.set_xscale("log")
     ax.set_xlim(min(xs) / 1.25, max(xs) * 1.25)
-    ax.set_ylim(min(ys) - 0.05, max(ys) + 0.05)
+    ax.set_ylim(min(ys) - 0.08, max(ys) + 0.13)  # room for the labels below the first point and above the last
     ticks = [t for t in (0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16) if min(xs) / 1.25 <= t <= max(xs) * 1.25]
     ax.set_xticks(ticks)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))

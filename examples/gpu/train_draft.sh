@@ -11,8 +11,9 @@
 #      are answered); each batch becomes one complete feature shard, written atomically, so stopping loses at most
 #      the batch in flight
 #   3. `hf-eagle3 train --skip-features --init-draft ...` for what is left of MINUTES less RESERVE minutes
-#   4. the draft into $OUT: model.safetensors in 15 MiB parts, config.json, generation_config.json,
-#      training_summary.json, train_log.jsonl, log.txt, SHA256SUMS (8 files); examples/gpu/unpack_draft.sh joins them
+#   4. the draft into $OUT: model.safetensors in 15 MiB parts, draft_meta.tar (config.json, generation_config.json,
+#      training_summary.json, train_log.jsonl, SHA256SUMS) and log.txt, within the 8 files a `run` call brings back
+#      (checked before stage 0 from the initial draft's size); examples/gpu/unpack_draft.sh joins them
 #
 # Test at small scale on a CPU (uses ./.venv's python if PYTHON says so):
 #   OMP_NUM_THREADS=1 PYTHON=.venv/bin/python DEVICE=cpu PROMPTS=16 NEW_TOKENS=16 BATCH=8 MINUTES=4 \
@@ -44,6 +45,29 @@ RESUME=${RESUME:-0}                     # 1: keep $WORK's responses, features an
 
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export HF_EAGLE3_CACHE=$WORK/cache HF_HOME=$WORK/hf
+# `run` brings back at most 8 files: the trained draft's 15 MiB parts (it is saved in bfloat16, whatever the initial
+# draft's dtype), draft_meta.tar and log.txt must fit; a much wider draft would not, so say so before any work is done
+SIZE=$(python3 - "$INIT_DRAFT/model.safetensors" <<'PY'
+import json, struct, sys
+with open(sys.argv[1], "rb") as f:
+    header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+size = 0
+for name, t in header.items():
+    if name != "__metadata__":
+        n = 1
+        for d in t["shape"]:
+            n *= d
+        size += n * (2 if t["dtype"] in ("F32", "F16", "BF16") else {"I64": 8, "I32": 4, "BOOL": 1}.get(t["dtype"], 8))
+print(size)
+PY
+)
+PARTS=$(( (SIZE + 15 * 1048576 - 1) / (15 * 1048576) ))
+if [ $(( PARTS + 2 )) -gt 8 ]; then
+  echo "error: a draft shaped like $INIT_DRAFT comes back as $PARTS parts of 15 MiB (about $SIZE bytes in bfloat16)" \
+    "plus 2 files, more than the 8 files a run call returns; start from a draft with a smaller vocabulary" \
+    "(hf-eagle3 train --rebuild-vocab --draft-vocab-size N)" >&2
+  exit 2
+fi
 mkdir -p "$WORK" "$OUT"
 WORK=$(realpath "$WORK")
 LOG=$OUT/log.txt
@@ -130,14 +154,16 @@ $PY -m hf_eagle3.cli train --target "$TARGET" --data "$WORK/data" --out "$WORK/t
   --max-prompt-context "$PROMPT_CONTEXT" --prompt-loss-weight 0.5 --max-minutes "$TRAIN_MIN" --save-every 1000
 stage "trained"
 
-# 4. the draft, in pieces under 16 MiB
+# 4. the draft, in pieces under 16 MiB; the small files in one tar, so that the parts, the tar and log.txt fit in 8
 D=$WORK/train/draft
 split -b 15M -d -a 1 "$D/model.safetensors" "$OUT/model.safetensors.part-"
-cp "$D/config.json" "$OUT/"
-if [ -f "$D/generation_config.json" ]; then cp "$D/generation_config.json" "$OUT/"
-else cp "$INIT_DRAFT/generation_config.json" "$OUT/"; fi
-cp "$D/training_summary.json" "$OUT/"
-cp "$WORK/train/run/log.jsonl" "$OUT/train_log.jsonl" 2>/dev/null || true
-(cd "$D" && sha256sum model.safetensors) > "$OUT/SHA256SUMS"
+META=$WORK/draft_meta
+rm -rf "$META" && mkdir -p "$META"
+cp "$D/config.json" "$D/training_summary.json" "$META/"
+if [ -f "$D/generation_config.json" ]; then cp "$D/generation_config.json" "$META/"
+else cp "$INIT_DRAFT/generation_config.json" "$META/"; fi
+cp "$WORK/train/run/log.jsonl" "$META/train_log.jsonl" 2>/dev/null || true
+(cd "$D" && sha256sum model.safetensors) > "$META/SHA256SUMS"
+tar -cf "$OUT/draft_meta.tar" -C "$META" .
 ls -la "$OUT"
 stage "done; $(ls "$OUT" | wc -l) files in $OUT"

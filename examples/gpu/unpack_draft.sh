@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Join the pieces examples/gpu/train_draft.sh wrote to $OUT (model.safetensors.part-*, config.json,
-# generation_config.json, training_summary.json, train_log.jsonl, log.txt, SHA256SUMS) into a draft directory, check
-# it, and print the command that measures it on MT-bench.
+# Join the pieces examples/gpu/train_draft.sh wrote to $OUT (model.safetensors.part-*, draft_meta.tar with config.json,
+# generation_config.json, training_summary.json, train_log.jsonl and SHA256SUMS, and log.txt; runs before session 18
+# wrote the small files loose) into a draft directory, check it, and print the command that measures it on MT-bench.
 #
 #   bash examples/gpu/unpack_draft.sh FILES_DIR [DRAFT_DIR]     (DRAFT_DIR default: runs/gpu-draft, git-ignored)
 set -euo pipefail
@@ -12,10 +12,11 @@ PY=${PYTHON:-python3}
 ls "$SRC"/model.safetensors.part-* >/dev/null
 mkdir -p "$DST"
 cat "$SRC"/model.safetensors.part-* > "$DST/model.safetensors"
-(cd "$DST" && sha256sum -c "$(realpath "$SRC/SHA256SUMS")")
-for f in config.json generation_config.json training_summary.json train_log.jsonl log.txt; do
-  [ -f "$SRC/$f" ] && cp "$SRC/$f" "$DST/"
+if [ -f "$SRC/draft_meta.tar" ]; then tar -xf "$SRC/draft_meta.tar" -C "$DST"; fi
+for f in config.json generation_config.json training_summary.json train_log.jsonl SHA256SUMS log.txt; do
+  if [ -f "$SRC/$f" ]; then cp "$SRC/$f" "$DST/"; fi
 done
+(cd "$DST" && sha256sum -c SHA256SUMS)
 $PY - "$DST" <<'PY'
 import json, sys
 from pathlib import Path
