@@ -61,10 +61,11 @@ for name, t in header.items():
 print(size)
 PY
 )
-PARTS=$(( (SIZE + 15 * 1048576 - 1) / (15 * 1048576) ))
+PART_MIB=15                             # the draft comes back in parts of this size (a file returns at most 16 MiB)
+PARTS=$(( (SIZE + PART_MIB * 1048576 - 1) / (PART_MIB * 1048576) ))
 if [ $(( PARTS + 2 )) -gt 8 ]; then
-  echo "error: a draft shaped like $INIT_DRAFT comes back as $PARTS parts of 15 MiB (about $SIZE bytes in bfloat16)" \
-    "plus 2 files, more than the 8 files a run call returns; start from a draft with a smaller vocabulary" \
+  echo "error: a draft shaped like $INIT_DRAFT comes back as $PARTS parts of $PART_MIB MiB" \
+    "(about $SIZE bytes in bfloat16) plus 2 files, more than the 8 files a run call returns; start from a draft with a smaller vocabulary" \
     "(hf-eagle3 train --rebuild-vocab --draft-vocab-size N)" >&2
   exit 2
 fi
@@ -156,7 +157,7 @@ stage "trained"
 
 # 4. the draft, in pieces under 16 MiB; the small files in one tar, so that the parts, the tar and log.txt fit in 8
 D=$WORK/train/draft
-split -b 15M -d -a 1 "$D/model.safetensors" "$OUT/model.safetensors.part-"
+split -b "${PART_MIB}M" -d -a 1 "$D/model.safetensors" "$OUT/model.safetensors.part-"
 META=$WORK/draft_meta
 rm -rf "$META" && mkdir -p "$META"
 cp "$D/config.json" "$D/training_summary.json" "$META/"
