@@ -28,6 +28,7 @@ from .draft_length_policy import Eagle3DraftLengthPolicy
 from .settings import resolve_draft_settings
 from .stats import Eagle3Stats
 from .target_cache import batch_tree_mask, compact, decoding_cache, gather_entries, keep_rows, prefill, sliding_window
+from .transformers_compat import eos_token_ids
 from .tree_drafter import DraftTree, Eagle3TreeDrafter
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
@@ -208,8 +209,7 @@ class _BatchLoop:
         self.stopping_criteria = stopping_criteria
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
-        eos = getattr(generation_config, "_eos_token_tensor", None)
-        self.eos = set() if eos is None else set(eos.view(-1).tolist())
+        self.eos = eos_token_ids(generation_config)
         self.processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
         self.device, self.dtype = input_ids.device, model.dtype
         self.rows, self.finished = [], [None] * input_ids.shape[0]
@@ -407,10 +407,11 @@ class _BatchRun:
 def _outputs(finished: list, generation_config, input_ids, run: _BatchRun, output_class):
     """Lay the rows out as plain batched ``generate`` does, and the statistics on the run."""
     run.rows = [row.stats for row in finished]
-    pad = getattr(generation_config, "_pad_token_tensor", None)
+    pad = generation_config.pad_token_id  # generate's default when unset: the first eos token, else 0
     if pad is None:
-        eos = getattr(generation_config, "_eos_token_tensor", None)
-        pad = eos.view(-1)[0] if eos is not None else 0
+        eos = generation_config.eos_token_id
+        eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        pad = eos if eos is not None else 0
     pad = int(pad)
     length = max(len(row.ids) for row in finished)
     sequences = torch.tensor([row.ids + [pad] * (length - len(row.ids)) for row in finished],

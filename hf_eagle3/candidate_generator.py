@@ -11,7 +11,7 @@ import time
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation import candidate_generator as _cg
+from transformers.generation import CandidateGenerator
 
 from .cost_model import measure_costs
 from .draft_length_policy import Eagle3DraftLengthPolicy
@@ -19,8 +19,6 @@ from .draft_state import Eagle3DraftState
 from .logits_process import Eagle3D2TLogitsProcessor
 from .settings import SCHEDULES
 from .stats import Eagle3Stats
-
-CandidateGenerator = _cg.CandidateGenerator
 
 
 class Eagle3CandidateGenerator(CandidateGenerator):
@@ -52,6 +50,14 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         assistant_confidence_threshold (`float`): stop drafting in a round once the draft's probability of its own
             token falls below this (0 disables it; when set, each draft step reads one value back from the device).
         target (`PreTrainedModel`, *optional*): the target, whose forwards ``"auto"`` times once (required for it).
+        recurrent_target (`bool`, *optional*): the target has recurrent / linear-attention layers, whose roll-back
+            history Transformers sizes once per call by :attr:`num_drafting_tokens`: no round then drafts more than
+            the initial ``num_assistant_tokens`` (the heuristic schedules grow up to it, not beyond).
+
+    With an :class:`~hf_eagle3.feature_capture.Eagle3OutputFeatures` as ``capture``, the generator follows
+    Transformers' public protocol for drafters that read the target: ``requires_model_outputs`` is set, the target is
+    called with :attr:`model_kwargs_overrides` (the selected hidden states) and each round's ``get_candidates``
+    receives its outputs.
     """
 
     def __init__(
@@ -65,6 +71,7 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         num_assistant_tokens_schedule: str = "constant",
         assistant_confidence_threshold: float | None = 0.0,
         target=None,
+        recurrent_target: bool = False,
     ):
         if num_assistant_tokens_schedule not in SCHEDULES:
             raise ValueError(
@@ -87,6 +94,10 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         self.num_assistant_tokens = int(num_assistant_tokens)
         self.schedule = num_assistant_tokens_schedule
         self.confidence_threshold = float(assistant_confidence_threshold or 0.0)
+        self.max_draft_tokens = self.num_assistant_tokens if recurrent_target else None
+        self.requires_model_outputs = hasattr(capture, "receive")
+        self.model_kwargs_overrides = (capture.model_kwargs_overrides(generation_config)
+                                       if self.requires_model_outputs else {})
         self.state = Eagle3DraftState(draft)  # the draft's cache, fed positions and pending verified positions
         self.stats = Eagle3Stats()
         self.policy: Eagle3DraftLengthPolicy | None = None  # created on the first round of "auto"
@@ -95,12 +106,21 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         self._last_feed = 0  # positions fed last round
         self._round_start = None  # wall clock at the start of the last round ("auto" measures rounds)
 
-    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens a round drafts (Transformers >= 5.25 keeps that many recurrent states of a hybrid target)."""
+        return self.num_assistant_tokens if self.max_draft_tokens is None else self.max_draft_tokens
+
+    def get_candidates(
+        self, input_ids: torch.LongTensor, model_outputs=None, **kwargs
+    ) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
         """
         Fetches the candidates to be tried for the current input.
 
         Args:
             input_ids (`torch.LongTensor` of shape `(1, sequence_length)`): the sequence so far.
+            model_outputs (`ModelOutput`, *optional*): the target's outputs of the last round (``None`` before the
+                prefill), handed over by Transformers when :attr:`requires_model_outputs` is set.
 
         Return:
             `(candidate_input_ids, candidate_logits)`: the sequence followed by the drafted tokens, and (when
@@ -111,6 +131,8 @@ class Eagle3CandidateGenerator(CandidateGenerator):
             self.policy.observe_time(self._last_k, now - self._round_start, feed=self._last_feed)
         self._round_start = now
         cur_len = input_ids.shape[1]
+        if self.requires_model_outputs:
+            self.capture.receive(model_outputs)
         self._collect_features(input_ids)
         self._last_len, self._last_k, self._last_feed = cur_len, 0, 0
         if not self.state.num_pending and self.state.fed == 0:  # first round: the target has not run yet
@@ -194,6 +216,8 @@ class Eagle3CandidateGenerator(CandidateGenerator):
                 self.num_assistant_tokens += 2
             else:
                 self.num_assistant_tokens = max(1, self.num_assistant_tokens - 1)
+            if self.max_draft_tokens is not None:
+                self.num_assistant_tokens = min(self.num_assistant_tokens, self.max_draft_tokens)
 
     def finish(self) -> Eagle3Stats:
         """End of the call: persist the heuristic draft length and publish the statistics on the draft."""

@@ -60,6 +60,7 @@ CORE_FILES = (
     "checkpoint_files.py",
     "rope.py",
     "settings.py",
+    "transformers_compat.py",
     # decoding: the generate hook, chain and tree drafting
     "auto_entry.py",
     "generate_hook.py",

@@ -144,3 +144,90 @@ class Eagle3FeatureCapture:
     def __exit__(self, *exc):
         self.remove()
         return False
+
+
+class Eagle3OutputFeatures:
+    """The same features as :class:`Eagle3FeatureCapture`, taken from the target's outputs that Transformers' assisted
+    decoding hands to a candidate generator with ``requires_model_outputs`` (no hooks on the target).
+
+    Hidden state ``i`` of ``output_hidden_states`` is the input of decoder layer ``i`` (state 0: the embeddings), the
+    feature the hooks take; :attr:`model_kwargs_overrides` asks the target for just those states (a list of indices,
+    Transformers >= 5.25), or for all of them when the user's ``generate`` call asks for hidden states too.
+
+    Args:
+        layer_ids (`list[int]`): three layer indices; concatenated in ascending order, as by the hooks.
+        num_layers (`int`): the target's decoder layers.
+    """
+
+    def __init__(self, layer_ids: list[int], num_layers: int):
+        bad = [i for i in layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(
+                f"feature layer ids {layer_ids} out of range for a target with {num_layers} layers (0..{num_layers - 1})."
+            )
+        self.layer_ids = sorted(layer_ids)
+        self._hidden_states = None
+
+    def model_kwargs_overrides(self, generation_config) -> dict:
+        """
+        What the target's forwards must be called with so that their outputs hold the features.
+
+        Args:
+            generation_config (`GenerationConfig`): the call's config (``output_hidden_states`` asked by the user).
+        """
+        if generation_config.output_hidden_states:
+            return {"output_hidden_states": True}
+        return {"output_hidden_states": list(self.layer_ids)}
+
+    def receive(self, model_outputs) -> None:
+        """
+        Keep the hidden states of the target's latest forward.
+
+        Args:
+            model_outputs (`ModelOutput` or `None`): the target's outputs, as Transformers hands them over.
+
+        Raises:
+            ValueError: when the outputs lack a selected hidden state (a target whose ``output_hidden_states`` does not
+                index its decoder layers: point at them with ``target_layers_path``, which uses hooks).
+        """
+        hidden = getattr(model_outputs, "hidden_states", None) if model_outputs is not None else None
+        if model_outputs is not None and (hidden is None or any(
+                i >= len(hidden) or hidden[i] is None for i in self.layer_ids)):
+            raise ValueError(
+                f"The target's outputs lack the hidden states {self.layer_ids} the draft reads. Set "
+                "`draft.config.target_layers_path` to the dotted path of its decoder layers (e.g. \"model.layers\") "
+                "to take them with forward hooks instead."
+            )
+        self._hidden_states = hidden
+
+    def features(self, device=None, dtype=None) -> torch.Tensor | None:
+        """
+        Return the latest forward's features concatenated low -> mid -> high.
+
+        Args:
+            device (`torch.device`, *optional*): where to put them.
+            dtype (`torch.dtype`, *optional*): their dtype.
+
+        Returns:
+            `torch.Tensor` [B, n, 3T], or ``None`` before the first forward or after :meth:`clear`.
+        """
+        if self._hidden_states is None:
+            return None
+        return torch.cat([self._hidden_states[i].to(device=device, dtype=dtype) for i in self.layer_ids], dim=-1)
+
+    def clear(self) -> None:
+        """Forget the latest forward's hidden states."""
+        self._hidden_states = None
+
+    def install(self) -> "Eagle3OutputFeatures":
+        """Nothing to install: Transformers hands the outputs over."""
+        return self
+
+    def remove(self) -> None:
+        """Drop the kept hidden states."""
+        self.clear()
+
+    @property
+    def installed(self) -> bool:
+        """No hooks are ever installed."""
+        return False

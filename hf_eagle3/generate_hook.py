@@ -19,17 +19,16 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers.generation import utils as _gen_utils
 
+from . import transformers_compat as compat
 from .batched_decoding import eagle3_batched_decoding
 from .candidate_generator import Eagle3CandidateGenerator
-from .feature_capture import Eagle3FeatureCapture, find_decoder_layers
+from .feature_capture import Eagle3FeatureCapture, Eagle3OutputFeatures, find_decoder_layers
 from .settings import pop_tree_settings, resolve_draft_settings, user_draft_settings
 from .tree_decoding import eagle3_tree_decoding
 from .tree_drafter import Eagle3TreeDrafter
 
 HOOK_VERSION = 1
-HOOKED_METHODS = ("generate", "_get_candidate_generator", "_assisted_decoding")
 
 
 def is_eagle3_draft(model) -> bool:
@@ -61,21 +60,31 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_active_call"
 # The drafter classes of this context (None: the defaults); set by `use_drafting`.
 _GENERATOR_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_generator_class", default=None)
 _TREE_DRAFTER_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_tree_drafter_class", default=None)
+_FEATURE_SOURCE: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_feature_source", default=None)
+FEATURE_SOURCES = ("outputs", "hooks")
 
 
 @contextlib.contextmanager
-def use_drafting(chain=None, tree=None):
+def use_drafting(chain=None, tree=None, features=None):
     """
     Within the block, EAGLE-3 calls of ``generate`` draft with ``chain`` (a subclass of
     :class:`Eagle3CandidateGenerator` taking the same arguments) and/or ``tree`` (a subclass of
     :class:`~hf_eagle3.tree_drafter.Eagle3TreeDrafter`) instead of the defaults: how benchmarks swap in instrumented
-    drafting (e.g. ``hf-eagle3 bench --oracle``) without another code path.
+    drafting (e.g. ``hf-eagle3 bench --oracle``) without another code path. ``features="hooks"`` makes chain drafting
+    take the target's features from forward hooks even where Transformers can hand them over (how the two sources
+    are compared); ``"outputs"`` asks for the protocol and fails on releases that lack it.
 
     Args:
         chain (`type`, *optional*): the chain candidate generator class.
         tree (`type`, *optional*): the tree drafter class.
+        features (`str`, *optional*): ``"outputs"`` or ``"hooks"`` (default: see :func:`chain_feature_source`).
     """
-    tokens = [(_GENERATOR_CLASS, _GENERATOR_CLASS.set(chain)), (_TREE_DRAFTER_CLASS, _TREE_DRAFTER_CLASS.set(tree))]
+    if features is not None and features not in FEATURE_SOURCES:
+        raise ValueError(f"features={features!r}: choose one of {FEATURE_SOURCES}.")
+    if features == "outputs" and not compat.SELECTS_HIDDEN_STATES:
+        raise ValueError(f"features='outputs' needs transformers>=5.25 (installed: {compat.transformers.__version__}).")
+    tokens = [(_GENERATOR_CLASS, _GENERATOR_CLASS.set(chain)), (_TREE_DRAFTER_CLASS, _TREE_DRAFTER_CLASS.set(tree)),
+              (_FEATURE_SOURCE, _FEATURE_SOURCE.set(features))]
     try:
         yield
     finally:
@@ -116,6 +125,35 @@ def check_batch_call(target, args: tuple, kwargs: dict) -> None:
                          "(left padding) to generate, so that the padding stays masked.")
 
 
+def chain_feature_source(draft) -> str:
+    """
+    Where chain drafting takes the target's features: ``"outputs"`` (Transformers hands the target's selected hidden
+    states to the candidate generator, ``requires_model_outputs``; releases that select hidden states by index) unless
+    :func:`use_drafting` asks for ``"hooks"`` or the draft names the target's layer list (``target_layers_path``);
+    else ``"hooks"`` (forward pre-hooks on three decoder layers).
+
+    Args:
+        draft (`Eagle3DraftModel`): the call's draft.
+    """
+    asked = _FEATURE_SOURCE.get()
+    if asked is not None:
+        return asked
+    if compat.SELECTS_HIDDEN_STATES and draft.config.target_layers_path is None:
+        return "outputs"
+    return "hooks"
+
+
+def target_cache_of(model_kwargs: dict):
+    """
+    The target's cache among ``generate``'s prepared model kwargs (``cache``; ``past_key_values`` on older releases).
+
+    Args:
+        model_kwargs (`dict`): the prepared model kwargs.
+    """
+    cache = model_kwargs.get("cache")
+    return cache if cache is not None else model_kwargs.get("past_key_values")
+
+
 def _eagle3_generate(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
@@ -137,7 +175,11 @@ def _eagle3_generate(original):
         draft.bind_target(self)
         layers = find_decoder_layers(self, draft.config.target_layers_path)
         layer_ids = draft.config.resolve_feature_layer_ids(len(layers))
-        capture = Eagle3FeatureCapture(self, layer_ids, draft.config.target_layers_path)
+        chain = tree is None and (batch is None or batch == 1)
+        if chain and chain_feature_source(draft) == "outputs":
+            capture = Eagle3OutputFeatures(layer_ids, len(layers))
+        else:
+            capture = Eagle3FeatureCapture(self, layer_ids, draft.config.target_layers_path)
         call = _Eagle3Call(draft=draft, capture=capture, settings=user_draft_settings(kwargs), tree=tree)
         token = _ACTIVE.set(call)
         capture.install()
@@ -166,6 +208,20 @@ def _eagle3_get_candidate_generator(original):
         if call is None or call.draft is not assistant:
             raise RuntimeError("EAGLE-3 drafts must be used through `target.generate(..., assistant_model=draft)`.")
         generation_config = bound.arguments["generation_config"]
+        cache = target_cache_of(bound.arguments.get("model_kwargs") or {})
+        recurrent = compat.recurrent_layers(cache)
+        if compat.unrollable_attention_layers(cache):
+            raise ValueError(
+                f"The target's {type(cache).__name__} keeps sliding-window layers shorter than this call's max_length "
+                f"({generation_config.max_length}), so a rejected draft cannot be rolled back. Use the default "
+                "dynamic cache (drop cache_implementation), or a max_length within the sliding window."
+            )
+        if recurrent and not compat.ROLLS_BACK_RECURRENT_STATES:
+            raise ValueError(
+                f"This target has recurrent / linear-attention layers ({len(recurrent)} of them); rolling them back "
+                f"after a rejected draft needs transformers>=5.25 (installed: {compat.transformers.__version__}). "
+                f"Fix: pip install 'transformers{compat.SUPPORTED_RANGE}' with a release of 5.25 or newer."
+            )
         settings = resolve_draft_settings(assistant.generation_config, call.settings)
         generator_class = _GENERATOR_CLASS.get() or Eagle3CandidateGenerator
         call.generator = generator_class(
@@ -178,6 +234,7 @@ def _eagle3_get_candidate_generator(original):
             num_assistant_tokens_schedule=settings.get("num_assistant_tokens_schedule", "constant"),
             assistant_confidence_threshold=settings.get("assistant_confidence_threshold", 0.0),
             target=self,
+            recurrent_target=bool(recurrent),
         )
         return call.generator
 
@@ -205,11 +262,19 @@ def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
     batched = named["input_ids"].shape[0] > 1
     if not batched and getattr(call, "tree", None) is None:
         return original(model, *args, **kwargs)
+    recurrent = compat.recurrent_layers(target_cache_of(named["model_kwargs"]))
+    if recurrent:
+        fix = ("generate one row at a time (chain drafting rolls such layers back)" if batched else
+               "drop the tree_* settings to use chain drafting, which rolls such layers back")
+        raise ValueError(
+            f"EAGLE-3 {'batches' if batched else 'trees'} keep only the accepted entries of the target's KV cache, "
+            f"which the {len(recurrent)} recurrent / linear-attention layers of this target cannot do: {fix}."
+        )
     loop = eagle3_batched_decoding if batched else eagle3_tree_decoding
     return loop(model, call, **named, drafter_class=_TREE_DRAFTER_CLASS.get() or Eagle3TreeDrafter)
 
 
-LOOP_ARGUMENTS = ("input_ids", "logits_processor", "stopping_criteria", "generation_config", "streamer")
+LOOP_ARGUMENTS = compat.ASSISTED_DECODING_PARAMS
 
 
 def loop_arguments(original, model, args: tuple, kwargs: dict) -> dict:
@@ -241,43 +306,16 @@ def _eagle3_assisted_decoding(original):
     return _assisted_decoding
 
 
-def _hooked(fn) -> bool:
-    """Whether ``fn`` is a patch of ours (from this copy of the package or another: a remote-code bundle)."""
-    return getattr(fn, "_hf_eagle3_hook", None) is not None or getattr(fn, "_hf_eagle3_tree_hook", None) is not None
-
-
 def install_generate_hook() -> None:
     """Make ``generate(assistant_model=<EAGLE-3 draft>)`` run EAGLE-3 decoding (idempotent).
 
-    Patches ``GenerationMixin.generate`` (capture, settings, per-call state), ``_get_candidate_generator`` (chain
+    Wraps ``GenerationMixin.generate`` (capture, settings, per-call state), ``_get_candidate_generator`` (chain
     drafting: :class:`Eagle3CandidateGenerator`) and ``_assisted_decoding`` (:func:`route_assisted_decoding`: the
-    tree loop when ``tree_*`` settings are given). Every other call of ``generate`` is left exactly as it was.
-    Raises ``RuntimeError`` on a Transformers version whose generation internals this hook does not know.
+    package's loop for trees and batches), through :mod:`~hf_eagle3.transformers_compat`, which checks first that the
+    installed Transformers has them (``ImportError`` naming the version and the fix when not). Every other call of
+    ``generate`` is left exactly as it was.
     """
-    mixin = _gen_utils.GenerationMixin
-    missing = [name for name in HOOKED_METHODS if not hasattr(mixin, name)]
-    if missing:
-        import transformers
-
-        raise RuntimeError(
-            f"hf_eagle3 cannot hook transformers {transformers.__version__}: GenerationMixin lacks {missing}. "
-            "Install a supported version (see hf_eagle3's pyproject.toml, transformers>=5.0)."
-        )
-    expected = {"_get_candidate_generator": {"generation_config", "input_ids", "logits_processor", "assistant_model"},
-                "_assisted_decoding": set(LOOP_ARGUMENTS)}
-    for name, needed_params in expected.items():
-        params = inspect.signature(getattr(mixin, name)).parameters.values()
-        has_kwargs = name != "_assisted_decoding" or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-        if not needed_params <= {p.name for p in params} or not has_kwargs:
-            import transformers
-
-            raise RuntimeError(
-                f"hf_eagle3 cannot hook transformers {transformers.__version__}: unexpected signature of "
-                f"GenerationMixin.{name}. Install a supported version (see pyproject.toml)."
-            )
-    if not _hooked(mixin.generate):
-        mixin.generate = _eagle3_generate(mixin.generate)
-    if not _hooked(mixin._get_candidate_generator):
-        mixin._get_candidate_generator = _eagle3_get_candidate_generator(mixin._get_candidate_generator)
-    if not _hooked(mixin._assisted_decoding):
-        mixin._assisted_decoding = _eagle3_assisted_decoding(mixin._assisted_decoding)
+    compat.check_transformers()
+    compat.wrap_generation_method("generate", _eagle3_generate)
+    compat.wrap_generation_method("_get_candidate_generator", _eagle3_get_candidate_generator)
+    compat.wrap_generation_method("_assisted_decoding", _eagle3_assisted_decoding)

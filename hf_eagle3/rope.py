@@ -84,7 +84,8 @@ def rope_attention_scaling(config) -> float:
 def _transformers_rope(config) -> tuple[torch.Tensor, float]:
     """``(inv_freq, attention_scaling)`` from Transformers' RoPE initialiser of ``config.draft_rope_scaling``."""
     from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from .transformers_compat import ROPE_INIT_FUNCTIONS
 
     kind = _rope_kind(config)
     params = dict(config.draft_rope_scaling)

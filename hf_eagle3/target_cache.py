@@ -7,22 +7,10 @@ Core file (part of a remote-code bundle): imports only torch and transformers.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers import DynamicCache
 
-try:  # sliding-window layers of hybrid models (Gemma 3, Mistral with a window, ...)
-    from transformers.cache_utils import DynamicSlidingWindowLayer
-except ImportError:  # pragma: no cover - older Transformers
-    DynamicSlidingWindowLayer = None
-
-
-def sliding_layer(layer) -> bool:
-    """
-    Whether ``layer`` is a sliding-window layer of a ``DynamicCache``.
-
-    Args:
-        layer (`CacheLayerMixin`): a layer of the target's cache.
-    """
-    return DynamicSlidingWindowLayer is not None and type(layer) is DynamicSlidingWindowLayer
+from .transformers_compat import is_plain_dynamic_layer
+from .transformers_compat import is_sliding_layer as sliding_layer
 
 
 def sliding_window(cache) -> float:
@@ -49,7 +37,7 @@ def check_tree_cache(cache) -> None:
             "(no cache_implementation), or drop the tree_* settings to use chain drafting."
         )
     for i, layer in enumerate(cache.layers):
-        if type(layer) is not DynamicLayer and not sliding_layer(layer):
+        if not is_plain_dynamic_layer(layer) and not sliding_layer(layer):
             raise ValueError(
                 f"EAGLE-3 tree decoding cannot gather cache layer {i} of type {type(layer).__name__} (supported: "
                 "DynamicLayer, DynamicSlidingWindowLayer). Drop the tree_* settings to use chain drafting."

@@ -27,6 +27,7 @@ from .cost_model import synchronize, target_costs
 from .stats import Eagle3Stats
 from .target_cache import decoding_cache, gather_cache, prefill, tree_attention_mask
 from .tree_drafter import DraftTree, Eagle3TreeDrafter
+from .transformers_compat import eos_token_ids
 from .tree_policy import AUTO_SIZES, TreeSizeChooser
 
 
@@ -95,8 +96,7 @@ class _TreeLoop:
         self.generation_config = generation_config
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
-        eos = getattr(generation_config, "_eos_token_tensor", None)
-        self.eos = set() if eos is None else set(eos.view(-1).tolist())
+        self.eos = eos_token_ids(generation_config)
         self.want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
         self.want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
         self.scores_out = () if self.want_scores else None

@@ -14,6 +14,8 @@ from transformers.generation import utils as gen_utils
 
 import hf_eagle3
 from hf_eagle3 import Eagle3CandidateGenerator, install_generate_hook
+from hf_eagle3.generate_hook import use_drafting
+from hf_eagle3.transformers_compat import SELECTS_HIDDEN_STATES
 
 GenerationMixin = gen_utils.GenerationMixin
 
@@ -36,19 +38,26 @@ class RaiseAfter(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-def test_hooks_removed_when_drafting_raises(monkeypatch):
+@pytest.mark.parametrize("features", ["hooks", "outputs"])
+def test_hooks_removed_when_drafting_raises(monkeypatch, features):
+    if features == "outputs" and not SELECTS_HIDDEN_STATES:
+        pytest.skip("Transformers < 5.25 cannot hand over selected hidden states (the hooks case covers it)")
     t, draft = target(), tiny_draft(target())
     ids = prompt()
     reference = t.generate(ids, do_sample=False, max_new_tokens=8)
-    expected = t.generate(ids, do_sample=False, max_new_tokens=8, assistant_model=draft)
+    with use_drafting(features=features):
+        expected = t.generate(ids, do_sample=False, max_new_tokens=8, assistant_model=draft)
     assert torch.equal(expected, reference)
 
     def boom(*args, **kwargs):
-        assert pre_hooks(t), "the feature hooks are in place while the draft runs"
+        if features == "hooks":
+            assert pre_hooks(t), "the feature hooks are in place while the draft runs"
+        else:
+            assert pre_hooks(t) == [], "the outputs protocol needs no hooks on the target"
         raise RuntimeError("draft failure")
 
     monkeypatch.setattr(draft, "forward", boom)
-    with pytest.raises(RuntimeError, match="draft failure"):
+    with pytest.raises(RuntimeError, match="draft failure"), use_drafting(features=features):
         t.generate(ids, do_sample=False, max_new_tokens=8, assistant_model=draft)
     assert pre_hooks(t) == []
     monkeypatch.undo()
