@@ -212,9 +212,9 @@ def _eagle3_get_candidate_generator(original):
         recurrent = compat.recurrent_layers(cache)
         if compat.unrollable_attention_layers(cache):
             raise ValueError(
-                f"The target's {type(cache).__name__} keeps sliding-window layers shorter than this call's max_length "
-                f"({generation_config.max_length}), so a rejected draft cannot be rolled back. Use the default "
-                "dynamic cache (drop cache_implementation), or a max_length within the sliding window."
+                f"The target's {type(cache).__name__} is longer than the sliding window of some of its layers (it is "
+                "sized for the longest generate call on this model so far), so those layers cannot be rolled back "
+                "after a rejected draft. Use the default dynamic cache (drop cache_implementation)."
             )
         if recurrent and not compat.ROLLS_BACK_RECURRENT_STATES:
             raise ValueError(
@@ -266,6 +266,8 @@ def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
     if recurrent:
         fix = ("generate one row at a time (chain drafting rolls such layers back)" if batched else
                "drop the tree_* settings to use chain drafting, which rolls such layers back")
+        if not compat.ROLLS_BACK_RECURRENT_STATES:
+            fix += f" on transformers>=5.25 (installed: {compat.transformers.__version__})"
         raise ValueError(
             f"EAGLE-3 {'batches' if batched else 'trees'} keep only the accepted entries of the target's KV cache, "
             f"which the {len(recurrent)} recurrent / linear-attention layers of this target cannot do: {fix}."

@@ -199,7 +199,7 @@ def recurrent_layers(cache) -> list[int]:
 def unrollable_attention_layers(cache) -> list[int]:
     """
     The indices of the attention layers of ``cache`` that say they cannot be cropped back (a static sliding-window
-    layer shorter than the call's ``max_length``), known as soon as the cache is built.
+    layer shorter than the static cache), known as soon as the cache is built.
 
     Args:
         cache (`Cache` or `None`): the target's cache of a ``generate`` call.

@@ -258,9 +258,17 @@ def test_chain_on_a_static_cache(arch):
 
 
 def test_static_sliding_cache_past_its_window_is_refused_before_work():
-    """Gemma 3's static sliding layers (window 16) cannot be rolled back once a call runs past the window."""
-    target, draft = cached_target("gemma3"), cached_draft("gemma3")
+    """Gemma 3's static sliding layers (window 16) roll back while the static cache fits in the window; a cache past
+    the window is refused before any target forward."""
+    from conftest import tiny_target
+
+    target = tiny_target("gemma3")
+    target.generation_config.eos_token_id = None
+    draft = tiny_draft(target)
     ids = random_prompt(6, seed=9)
+    short = target.generate(ids, assistant_model=draft, do_sample=False, max_new_tokens=8,
+                            cache_implementation="static")
+    assert torch.equal(short, target.generate(ids, do_sample=False, max_new_tokens=8))
     counter = CountForwards(target)
     try:
         with pytest.raises(ValueError, match="drop cache_implementation"):
@@ -269,9 +277,6 @@ def test_static_sliding_cache_past_its_window_is_refused_before_work():
     finally:
         counter.remove()
     assert counter.n == 0
-    short = target.generate(ids, assistant_model=draft, do_sample=False, max_new_tokens=8,
-                            cache_implementation="static")
-    assert torch.equal(short, target.generate(ids, do_sample=False, max_new_tokens=8))
 
 
 def test_chain_with_the_compiled_decode_forward(monkeypatch):
@@ -298,3 +303,47 @@ def test_chain_with_the_compiled_decode_forward(monkeypatch):
     assert compiled, "the decode forward was not compiled"
     assert torch.equal(out, reference)
     assert draft.last_stats.num_drafts > 0
+
+
+@pytest.mark.skipif(not compat.ROLLS_BACK_RECURRENT_STATES, reason="hybrid chains need transformers>=5.25")
+def test_hybrid_target_chain_sampling_keeps_the_distribution():
+    """Sampling with a hybrid target (LFM2: convolution states rolled back after each rejection) keeps the target's
+    distribution, with a random draft (mostly rejections) and a target-like one (long accepted runs); the same test
+    flags a generator that returns unprocessed candidate logits (the negative control)."""
+    import copy
+
+    from conftest import assisted_continuations, plain_continuations, token_p_values
+
+    target = hybrid_target("lfm2", vocab_size=24)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(2.0)  # peaky, not degenerate: several likely tokens at each position
+    draft = tiny_draft(target, 16)
+    oracle = copy.deepcopy(target)
+    target_ids = torch.arange(draft.config.draft_vocab_size) + draft.d2t
+    prompt = torch.tensor([[5, 7, 9, 11]])
+    sampling = dict(do_sample=True, max_new_tokens=4, temperature=0.7, top_k=8, top_p=0.9, num_assistant_tokens=2)
+    plain = plain_continuations(target, prompt, 20000, **{k: v for k, v in sampling.items() if k != "num_assistant_tokens"})
+
+    class TargetLike(Eagle3CandidateGenerator):
+        """The draft's scores are the target's own logits over the draft vocabulary."""
+
+        def _select(self, seq, draft_scores):
+            with torch.no_grad():
+                return super()._select(seq, oracle(seq).logits[:, -1, target_ids])
+
+    class Unprocessed(TargetLike):
+        """Bug: samples from the processed scores but returns the unprocessed ones as candidate logits."""
+
+        def _select(self, seq, draft_scores):
+            token, _ = super()._select(seq, draft_scores)
+            with torch.no_grad():
+                return token, self.d2t(seq, oracle(seq).logits[:, -1, target_ids].float())
+
+    results = {}
+    for name, generator in (("random", None), ("target_like", TargetLike), ("broken", Unprocessed)):
+        with use_drafting(chain=generator):
+            samples, accepted = assisted_continuations(target, draft, prompt, 400, 1000, **sampling)
+        results[name] = (min(token_p_values(samples, plain).values()), accepted)
+    assert results["random"][0] > 1e-3 / 3 and results["target_like"][0] > 1e-3 / 3, results
+    assert results["target_like"][1] > 1.0, results  # long accepted runs: the roll-back of partial ones is exercised
+    assert results["broken"][0] < 1e-3 / 3, results
