@@ -16,6 +16,7 @@ from transformers.generation import CandidateGenerator
 from .cost_model import measure_costs
 from .draft_length_policy import Eagle3DraftLengthPolicy
 from .draft_state import Eagle3DraftState
+from .feature_capture import Eagle3OutputFeatures
 from .logits_process import Eagle3D2TLogitsProcessor
 from .settings import SCHEDULES
 from .stats import Eagle3Stats
@@ -95,7 +96,7 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         self.schedule = num_assistant_tokens_schedule
         self.confidence_threshold = float(assistant_confidence_threshold or 0.0)
         self.max_draft_tokens = self.num_assistant_tokens if recurrent_target else None
-        self.requires_model_outputs = hasattr(capture, "receive")
+        self.requires_model_outputs = isinstance(capture, Eagle3OutputFeatures)
         self.model_kwargs_overrides = (capture.model_kwargs_overrides(generation_config)
                                        if self.requires_model_outputs else {})
         self.state = Eagle3DraftState(draft)  # the draft's cache, fed positions and pending verified positions

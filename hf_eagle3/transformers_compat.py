@@ -45,6 +45,8 @@ RELEASE = _release(transformers.__version__)
 SELECTS_HIDDEN_STATES = RELEASE >= (5, 25)
 # `cache.activate_past_recording(recurrent_states_to_keep=n)`: assisted decoding rolls back linear-attention layers.
 ROLLS_BACK_RECURRENT_STATES = RELEASE >= (5, 25)
+# Assisted decoding on `cache_implementation="static"` (earlier releases refuse it before any work).
+ASSISTS_ON_STATIC_CACHE = RELEASE >= (5, 24)
 
 
 @dataclass(frozen=True)

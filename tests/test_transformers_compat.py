@@ -202,7 +202,8 @@ def test_hybrid_target_chain(kind):
     if not compat.ROLLS_BACK_RECURRENT_STATES:
         counter = CountForwards(target)
         try:
-            with pytest.raises(ValueError, match="transformers>=5.25"):
+            # ours names the release; some releases refuse stateful targets themselves first, as early
+            with pytest.raises(ValueError, match="transformers>=5.25|not supported with stateful models"):
                 target.generate(ids, assistant_model=draft, do_sample=False, max_new_tokens=8)
         finally:
             counter.remove()
@@ -237,7 +238,7 @@ def test_hybrid_target_trees_and_batches_are_refused_before_work(kind, path):
         fix = "one row at a time"
     counter = CountForwards(target)
     try:
-        with pytest.raises(ValueError, match=fix):
+        with pytest.raises(ValueError, match=f"{fix}|not supported with stateful models"):
             target.generate(**kwargs, assistant_model=draft, do_sample=False, max_new_tokens=8)
     finally:
         counter.remove()
@@ -245,6 +246,26 @@ def test_hybrid_target_trees_and_batches_are_refused_before_work(kind, path):
 
 
 # ------------------------------------------------------------------------------------------------ static cache
+static_cache = pytest.mark.skipif(not compat.ASSISTS_ON_STATIC_CACHE,
+                                  reason="assisted decoding on a static cache needs transformers>=5.24")
+
+
+def test_static_cache_before_5_24_is_refused_before_work():
+    """Releases before 5.24 refuse assisted decoding on a static cache themselves, before any target forward."""
+    if compat.ASSISTS_ON_STATIC_CACHE:
+        pytest.skip("transformers>=5.24 assists on a static cache (tested below)")
+    target, draft = cached_target("llama"), cached_draft("llama")
+    counter = CountForwards(target)
+    try:
+        with pytest.raises(ValueError, match="not supported with Static cache"):
+            target.generate(random_prompt(6, seed=9), assistant_model=draft, do_sample=False, max_new_tokens=8,
+                            cache_implementation="static")
+    finally:
+        counter.remove()
+    assert counter.n == 0
+
+
+@static_cache
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_chain_on_a_static_cache(arch):
     target, draft = cached_target(arch), cached_draft(arch)
@@ -257,6 +278,7 @@ def test_chain_on_a_static_cache(arch):
     assert draft.last_stats.num_target_forwards > 1
 
 
+@static_cache
 def test_static_sliding_cache_past_its_window_is_refused_before_work():
     """Gemma 3's static sliding layers (window 16) roll back while the static cache fits in the window; a cache past
     the window is refused before any target forward."""
@@ -279,6 +301,7 @@ def test_static_sliding_cache_past_its_window_is_refused_before_work():
     assert counter.n == 0
 
 
+@static_cache
 def test_chain_with_the_compiled_decode_forward(monkeypatch):
     """Transformers compiles the target's decode forward on a static cache: same output, the compiled call taken.
     (The ``eager`` backend traces the forward with dynamo without generating code, to keep the test short; the
