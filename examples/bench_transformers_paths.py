@@ -1,8 +1,9 @@
 """Time the ways Transformers' own loop can run an EAGLE-3 chain, against plain ``generate``, in one process.
 
 Rows: plain ``generate``; the chain fed by forward hooks; the chain fed through Transformers' drafter protocol
-(``requires_model_outputs``, transformers >= 5.25); the same chain on a static cache; and on a static cache with the
-target's decode forward compiled (``torch.compile`` through ``generation_config.compile_config``). Each row is
+(``requires_model_outputs``, transformers >= 5.25); the same chain on a static cache; and, with the target's decode
+forward compiled on a static cache (``torch.compile`` through ``generation_config.compile_config``), plain
+``generate`` and the chain. Each row is
 timed over the same prompts, interleaved round-robin, and reported as a ratio to plain ``generate``; every row's
 text is checked identical to plain ``generate``'s. Also prints the largest tensor bytes the target's outputs hand to
 the drafter per forward (the protocol's cost in memory against the hooks').
@@ -99,6 +100,8 @@ def main() -> None:
         rows["chain, protocol"] = ("outputs", dict(common, **eagle))
     rows["chain, static cache"] = (None, dict(common, **eagle, cache_implementation="static"))
     if compile_config is not None:
+        rows["plain generate, static + compiled"] = (None, dict(common, cache_implementation="static",
+                                                                compile_config=compile_config))
         rows["chain, static + compiled"] = (None, dict(common, **eagle, cache_implementation="static",
                                                        compile_config=compile_config))
 
@@ -124,13 +127,13 @@ def main() -> None:
             for name in rows:
                 t, out = run(name, ids)
                 seconds[name].append(t)
-                if name != "plain generate":
+                if "assistant_model" in rows[name][1]:
                     accepted[name].append(draft.last_stats.mean_acceptance_length)
     totals = {name: sum(v) for name, v in seconds.items()}
     base = totals["plain generate"]
     result = {
         "cpu": cpu_flags(), "torch": torch.__version__, "transformers": compat.transformers.__version__,
-        "hf_eagle3": hf_eagle3.__version__, "draft": draft_name, "k": args.k, "prompts": len(prompts),
+        "hf_eagle3": hf_eagle3.__version__, "draft": Path(draft_name).name, "k": args.k, "prompts": len(prompts),
         "new_tokens": args.new_tokens, "repeats": args.repeats,
         "rows": {name: {"speedup_vs_plain": base / totals[name],
                         "mean_acceptance_length": statistics.mean(accepted[name]) if accepted[name] else None}
