@@ -49,7 +49,12 @@ class _Row:
 
 def _round_shape(call, draft) -> dict:
     """The drafting shape of the rounds: ``{"depth", "top_k", "total", "auto"}`` (a chain is ``top_k = 1``; with
-    ``"auto"`` the depth is the longest chain and a policy picks each round's)."""
+    ``"auto"`` the depth is the longest chain and a policy picks each round's).
+
+    Raises:
+        ValueError: for chain settings batches do not implement (``"heuristic"`` schedules, a confidence threshold),
+            before any work, naming what to use.
+    """
     if call.tree is not None:
         total = call.tree["total_tokens"]
         if total == "auto":
@@ -57,6 +62,19 @@ def _round_shape(call, draft) -> dict:
         return {"depth": min(call.tree["depth"], total), "top_k": min(call.tree["top_k"], total), "total": total,
                 "auto": False}
     settings = resolve_draft_settings(draft.generation_config, call.settings)
+    schedule = settings.get("num_assistant_tokens_schedule", "constant")
+    if schedule in ("heuristic", "heuristic_transient"):
+        raise ValueError(
+            f"num_assistant_tokens_schedule={schedule!r} (one sequence's draft length, adapted to its acceptance) is "
+            "not implemented for batches: pass num_assistant_tokens_schedule='auto' (one length per round for the "
+            "batch, from measured costs and acceptance) or 'constant', or generate one row at a time."
+        )
+    if float(settings.get("assistant_confidence_threshold") or 0.0) > 0:
+        raise ValueError(
+            f"assistant_confidence_threshold={settings['assistant_confidence_threshold']} is not implemented for "
+            "batches: pass assistant_confidence_threshold=0 (or num_assistant_tokens_schedule='auto', which chooses "
+            "the draft length from the acceptance seen), or generate one row at a time."
+        )
     k = int(settings.get("num_assistant_tokens", 5))
     return {"depth": k, "top_k": 1, "total": k, "auto": settings.get("num_assistant_tokens_schedule") == "auto"}
 

@@ -281,6 +281,27 @@ def test_streamer_with_a_batch_is_refused_before_work():
     assert no_hooks_left(target)
 
 
+@pytest.mark.parametrize("setting", [dict(num_assistant_tokens_schedule="heuristic"),
+                                     dict(num_assistant_tokens_schedule="heuristic_transient"),
+                                     dict(assistant_confidence_threshold=0.3)], ids=["heuristic", "transient", "confidence"])
+def test_chain_settings_batches_lack_are_refused_before_work(setting):
+    """Settings a batched chain does not implement are refused, never silently ignored; the refusal comes before any
+    target forward and names what to use."""
+    target, draft = batch_target("llama"), draft_of("llama")
+    ids, mask = padded_batch((3, 6), seed=2)
+    forwards = []
+    handle = target.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match="not implemented for batches.*one row at a time"):
+            target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=4, **setting)
+    finally:
+        handle.remove()
+    assert forwards == [] and no_hooks_left(target)
+    # Batch 1 honours them (Transformers' loop).
+    one = target.generate(ids[:1, -3:], assistant_model=draft, max_new_tokens=4, do_sample=False, **setting)
+    assert torch.equal(one, target.generate(ids[:1, -3:], max_new_tokens=4, do_sample=False))
+
+
 def test_sliding_window_limit_is_refused_before_work():
     target = tiny_target("gemma3")  # sliding window 16
     draft = tiny_draft(target)
