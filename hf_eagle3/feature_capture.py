@@ -64,6 +64,23 @@ def find_decoder_layers(target: nn.Module, layers_path: str | None = None) -> nn
     )
 
 
+def checked_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """
+    The feature layer ids in ascending order (engines concatenate the captured layers so, as vLLM and SGLang do).
+
+    Args:
+        layer_ids (`list[int]`): the draft's feature layers (input of layer i).
+        num_layers (`int`): the target's decoder layers.
+
+    Raises:
+        ValueError: when an id is outside ``0 .. num_layers - 1``.
+    """
+    n = num_layers
+    if any(not 0 <= i < n for i in layer_ids):
+        raise ValueError(f"feature layer ids {layer_ids} out of range for a target with {n} layers (0..{n - 1}).")
+    return sorted(layer_ids)
+
+
 class Eagle3FeatureCapture:
     """Forward pre-hooks on three decoder layers of a target that keep their inputs from the latest forward.
 
@@ -79,11 +96,7 @@ class Eagle3FeatureCapture:
 
     def __init__(self, target: nn.Module, layer_ids: list[int], layers_path: str | None = None):
         self.layers = find_decoder_layers(target, layers_path)
-        n = len(self.layers)
-        bad = [i for i in layer_ids if not 0 <= i < n]
-        if bad:
-            raise ValueError(f"feature layer ids {layer_ids} out of range for a target with {n} layers (0..{n - 1}).")
-        self.layer_ids = sorted(layer_ids)  # engines concatenate the captured layers in ascending order
+        self.layer_ids = checked_layer_ids(layer_ids, len(self.layers))
         self._captured: list[torch.Tensor | None] = [None] * len(layer_ids)
         self._handles = []
 
@@ -160,12 +173,7 @@ class Eagle3OutputFeatures:
     """
 
     def __init__(self, layer_ids: list[int], num_layers: int):
-        bad = [i for i in layer_ids if not 0 <= i < num_layers]
-        if bad:
-            raise ValueError(
-                f"feature layer ids {layer_ids} out of range for a target with {num_layers} layers (0..{num_layers - 1})."
-            )
-        self.layer_ids = sorted(layer_ids)
+        self.layer_ids = checked_layer_ids(layer_ids, num_layers)
         self._hidden_states = None
 
     def model_kwargs_overrides(self, generation_config) -> dict:

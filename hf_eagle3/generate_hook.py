@@ -25,6 +25,7 @@ from .batched_decoding import eagle3_batched_decoding
 from .candidate_generator import Eagle3CandidateGenerator
 from .feature_capture import Eagle3FeatureCapture, Eagle3OutputFeatures, find_decoder_layers
 from .settings import pop_tree_settings, resolve_draft_settings, user_draft_settings
+from .target_cache import cache_entry
 from .tree_decoding import eagle3_tree_decoding
 from .tree_drafter import Eagle3TreeDrafter
 
@@ -143,17 +144,6 @@ def chain_feature_source(draft) -> str:
     return "hooks"
 
 
-def target_cache_of(model_kwargs: dict):
-    """
-    The target's cache among ``generate``'s prepared model kwargs (``cache``; ``past_key_values`` on older releases).
-
-    Args:
-        model_kwargs (`dict`): the prepared model kwargs.
-    """
-    cache = model_kwargs.get("cache")
-    return cache if cache is not None else model_kwargs.get("past_key_values")
-
-
 def _eagle3_generate(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
@@ -208,7 +198,7 @@ def _eagle3_get_candidate_generator(original):
         if call is None or call.draft is not assistant:
             raise RuntimeError("EAGLE-3 drafts must be used through `target.generate(..., assistant_model=draft)`.")
         generation_config = bound.arguments["generation_config"]
-        cache = target_cache_of(bound.arguments.get("model_kwargs") or {})
+        _, cache = cache_entry(bound.arguments.get("model_kwargs") or {})
         recurrent = compat.recurrent_layers(cache)
         if compat.unrollable_attention_layers(cache):
             raise ValueError(
@@ -262,7 +252,7 @@ def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
     batched = named["input_ids"].shape[0] > 1
     if not batched and getattr(call, "tree", None) is None:
         return original(model, *args, **kwargs)
-    recurrent = compat.recurrent_layers(target_cache_of(named["model_kwargs"]))
+    recurrent = compat.recurrent_layers(cache_entry(named["model_kwargs"])[1])
     if recurrent:
         fix = ("generate one row at a time (chain drafting rolls such layers back)" if batched else
                "drop the tree_* settings to use chain drafting, which rolls such layers back")

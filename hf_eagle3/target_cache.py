@@ -44,6 +44,18 @@ def check_tree_cache(cache) -> None:
             )
 
 
+def cache_entry(model_kwargs: dict) -> tuple[str, object]:
+    """
+    The target's cache among ``generate``'s prepared model kwargs and its keyword: ``"cache"``, or
+    ``"past_key_values"`` (its name on earlier releases); the cache is ``None`` when there is none.
+
+    Args:
+        model_kwargs (`dict`): the prepared model kwargs.
+    """
+    key = "cache" if model_kwargs.get("cache") is not None else "past_key_values"
+    return key, model_kwargs.get(key)
+
+
 def decoding_cache(model_kwargs: dict, generation_config, loop: str) -> tuple[str, object]:
     """
     The target's cache of this ``generate`` call and the keyword it travels under, after the checks both EAGLE-3 loops
@@ -60,8 +72,7 @@ def decoding_cache(model_kwargs: dict, generation_config, loop: str) -> tuple[st
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError(f"{loop} does not return attentions or hidden states; drop output_attentions / "
                          "output_hidden_states (scores and logits are supported).")
-    key = "cache" if model_kwargs.get("cache") is not None else "past_key_values"  # renamed in 5.2x
-    cache = model_kwargs.get(key)
+    key, cache = cache_entry(model_kwargs)
     if cache is None or not generation_config.use_cache:
         raise ValueError(f"{loop} requires a cache (use_cache=True).")
     check_tree_cache(cache)

@@ -71,20 +71,21 @@ PRIVATE_NAMES = (
     PrivateName("transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS", "the draft's RoPE scalings (llama3, linear, "
                 "yarn, ...) computed as the target computes them", "5.20-5.25"),
 )
-# Public methods the package wraps (not private names, but their signatures are checked all the same).
-WRAPPED_PUBLIC = ("GenerationMixin.generate",)
 
 
-def _import_private(module: str, name: str):
-    """``module.name`` or ``None`` (checked for every name of :data:`PRIVATE_NAMES` by :func:`check_transformers`)."""
+def _import_private(dotted: str):
+    """``transformers.<module>.<name>`` or ``None`` when the release lacks it (reported by :func:`check_transformers`)."""
     import importlib
 
+    module, name = dotted.rsplit(".", 1)
     return getattr(importlib.import_module(module), name, None)
 
 
-DynamicSlidingWindowLayer = _import_private("transformers.cache_utils", "DynamicSlidingWindowLayer")
-LinearAttentionCacheLayerMixin = _import_private("transformers.cache_utils", "LinearAttentionCacheLayerMixin")
-ROPE_INIT_FUNCTIONS = _import_private("transformers.modeling_rope_utils", "ROPE_INIT_FUNCTIONS")
+# The private module-level names of PRIVATE_NAMES, imported once (None where the release lacks one).
+_IMPORTED = {entry.name: _import_private(entry.name) for entry in PRIVATE_NAMES if entry.name.startswith("transformers.")}
+DynamicSlidingWindowLayer = _IMPORTED["transformers.cache_utils.DynamicSlidingWindowLayer"]
+LinearAttentionCacheLayerMixin = _IMPORTED["transformers.cache_utils.LinearAttentionCacheLayerMixin"]
+ROPE_INIT_FUNCTIONS = _IMPORTED["transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS"]
 GenerationMixin = _generation_utils.GenerationMixin
 
 # The parameters the wrappers read by name.
@@ -112,11 +113,7 @@ def missing_private_names() -> list[str]:
         var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature)
         if not params <= names or (method == "_assisted_decoding" and not var_keyword):
             missing.append(f"GenerationMixin.{method} (its parameters {sorted(params - names) or '**model_kwargs'})")
-    for value, name in ((DynamicSlidingWindowLayer, "transformers.cache_utils.DynamicSlidingWindowLayer"),
-                        (LinearAttentionCacheLayerMixin, "transformers.cache_utils.LinearAttentionCacheLayerMixin"),
-                        (ROPE_INIT_FUNCTIONS, "transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS")):
-        if value is None:
-            missing.append(name)
+    missing += [name for name, value in _IMPORTED.items() if value is None]
     if not callable(getattr(GenerationMixin, "generate", None)):
         missing.append("GenerationMixin.generate")
     return missing
@@ -161,11 +158,6 @@ def wrap_generation_method(name: str, make_wrapper) -> None:
         setattr(GenerationMixin, name, make_wrapper(current))
 
 
-def is_wrapped(name: str) -> bool:
-    """Whether ``GenerationMixin.<name>`` is a wrapper of ours."""
-    return getattr(getattr(GenerationMixin, name), "_hf_eagle3_hook", None) is not None
-
-
 def is_sliding_layer(layer) -> bool:
     """
     Whether ``layer`` is a sliding-window layer of a ``DynamicCache``.
@@ -186,6 +178,11 @@ def is_plain_dynamic_layer(layer) -> bool:
     return type(layer) is DynamicLayer
 
 
+def _cache_layers(cache) -> list:
+    """The layers of a decoder cache (of its self-attention part for an encoder-decoder cache); none for ``None``."""
+    return getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or []
+
+
 def recurrent_layers(cache) -> list[int]:
     """
     The indices of the layers of ``cache`` that hold recurrent or convolution states (linear attention, Mamba, short
@@ -194,8 +191,7 @@ def recurrent_layers(cache) -> list[int]:
     Args:
         cache (`Cache` or `None`): the target's cache of a ``generate`` call (its layers are created from the config).
     """
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or []
-    return [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    return [i for i, layer in enumerate(_cache_layers(cache)) if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
 def unrollable_attention_layers(cache) -> list[int]:
@@ -206,8 +202,7 @@ def unrollable_attention_layers(cache) -> list[int]:
     Args:
         cache (`Cache` or `None`): the target's cache of a ``generate`` call.
     """
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None) or []
-    return [i for i, layer in enumerate(layers)
+    return [i for i, layer in enumerate(_cache_layers(cache))
             if not isinstance(layer, LinearAttentionCacheLayerMixin) and getattr(layer, "is_croppable", True) is False]
 
 
