@@ -10,9 +10,7 @@ Python API: :func:`run_bench`. Command line: ``hf-eagle3 bench`` (see :mod:`hf_e
 
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ from hf_eagle3.bench_strategies import (
     register_strategy,
 )
 from hf_eagle3.cost_model import measure_target_seconds
+from hf_eagle3.environment import environment_record
 from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target
 
 # The bench's Python API (docs/cli.md): the run, the strategy registry and the loaders it uses.
@@ -184,7 +183,6 @@ def run_bench(
                                    "plain_length": len(ref), "strategy_length": len(got)})
 
     settings = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "num_prompts": len(encoded),
         "max_new_tokens": max_new_tokens,
         "ks": [int(k) for k in ks],
@@ -194,15 +192,7 @@ def run_bench(
         "strategies": [s.name for s in strategies],
         "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
         "tree_shapes": [list(t) for t in tree_shapes],
-        "torch_threads": torch.get_num_threads(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "torch_version": torch.__version__,
-        "transformers_version": __import__("transformers").__version__,
-        "hf_eagle3_version": hf_eagle3.__version__,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "target_dtype": str(next(target.parameters()).dtype),
-        "device": str(target.device),
+        **environment_record(target, draft_path=getattr(draft, "name_or_path", None)),
     }
     settings.update(meta or {})
     report = {
@@ -224,19 +214,12 @@ def _batched_command(args, target, draft, tokenizer, prompts, batch_sizes, max_n
                      tree_shapes) -> int:
     """``hf-eagle3 bench --batch-sizes``: :func:`~hf_eagle3.bench_batched.run_batched_bench`, printed and written."""
     from hf_eagle3.bench_batched import format_batched_markdown, run_batched_bench, write_batched_outputs
-    from hf_eagle3.oracle_bench import cpu_flags
-
     report = run_batched_bench(target, draft, tokenizer, prompts, batch_sizes=batch_sizes,
                                max_new_tokens=max_new_tokens, ks=ks, families=families, tree_shapes=tree_shapes)
-    report["settings"] = {
-        "command": "hf-eagle3 " + " ".join(getattr(args, "argv", None) or ["bench"]),
-        "target_dtype": str(next(target.parameters()).dtype), "device": str(target.device),
-        "cpu_flags": cpu_flags(), "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__, "transformers_version": __import__("transformers").__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-    print(f"{report['settings']['target_dtype']} on {report['settings']['device']}, CPU flags: "
-          f"{report['settings']['cpu_flags']}, {torch.get_num_threads()} torch thread(s)")
+    report["settings"] = environment_record(target, "hf-eagle3 " + " ".join(getattr(args, "argv", None) or ["bench"]),
+                                            draft_path=getattr(draft, "name_or_path", None))
+    print(f"{report['settings']['target_dtype']} on {report['settings']['device']}, CPU: "
+          f"{report['settings']['cpu']}, {torch.get_num_threads()} torch thread(s)")
     print(format_batched_markdown(report))
     paths = write_batched_outputs(report, args.out_dir)
     print(f"Wrote {paths['json']}, {paths['markdown']}")
