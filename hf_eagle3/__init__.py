@@ -3,21 +3,21 @@
 Importing the package registers :class:`Eagle3Config` / :class:`Eagle3DraftModel` with ``AutoConfig`` /
 ``AutoModel`` and hooks ``generate`` so that ``target.generate(ids, assistant_model=draft)`` runs EAGLE-3 decoding
 whenever ``draft`` is an EAGLE-3 draft (with dynamic draft trees when ``tree_top_k`` / ``tree_depth`` /
-``tree_total_tokens`` are given, see :mod:`hf_eagle3.tree_decoding`). The hook itself lives in
-:mod:`hf_eagle3.generate_hook`.
+``tree_total_tokens`` are given, see :mod:`hf_eagle3.core.tree_decoding`). The hook itself lives in
+:mod:`hf_eagle3.core.generate_hook`.
 """
 
 from transformers import AutoConfig, AutoModel
 
-from .candidate_generator import Eagle3CandidateGenerator
-from .configuration_eagle3 import Eagle3Config
-from .draft_cache import Eagle3KVCache
-from .feature_capture import Eagle3FeatureCapture, find_decoder_layers
-from .generate_hook import install_generate_hook, is_eagle3_draft
-from .logits_process import Eagle3D2TLogitsProcessor
-from .modeling_eagle3 import Eagle3DraftModel
-from .stats import Eagle3Stats
-from .tree_drafter import DraftTree, Eagle3TreeDrafter
+from .core.candidate_generator import Eagle3CandidateGenerator
+from .core.configuration_eagle3 import Eagle3Config
+from .core.draft_cache import Eagle3KVCache
+from .core.feature_capture import Eagle3FeatureCapture, find_decoder_layers
+from .core.generate_hook import install_generate_hook, is_eagle3_draft
+from .core.logits_process import Eagle3D2TLogitsProcessor
+from .core.modeling_eagle3 import Eagle3DraftModel
+from .core.stats import Eagle3Stats
+from .core.tree_drafter import DraftTree, Eagle3TreeDrafter
 
 __version__ = "0.1.0"
 

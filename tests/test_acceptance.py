@@ -1,5 +1,5 @@
-"""The acceptance step as pure functions (``hf_eagle3.acceptance``) and the batched cache helpers
-(``hf_eagle3.target_cache``), each on its own: hand-built trees and logits, hand-built caches."""
+"""The acceptance step as pure functions (``hf_eagle3.core.acceptance``) and the batched cache helpers
+(``hf_eagle3.core.target_cache``), each on its own: hand-built trees and logits, hand-built caches."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from hf_eagle3.acceptance import children_lists, clip_new_tokens, walk_tree
-from hf_eagle3.target_cache import batch_tree_mask, compact, gather_entries, keep_rows
-from hf_eagle3.tree_drafter import DraftTree
+from hf_eagle3.core.acceptance import children_lists, clip_new_tokens, walk_tree
+from hf_eagle3.core.target_cache import batch_tree_mask, compact, gather_entries, keep_rows
+from hf_eagle3.core.tree_drafter import DraftTree
 
 V = 8
 

@@ -21,9 +21,9 @@ from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-import hf_eagle3.acceptance as acceptance
+import hf_eagle3.core.acceptance as acceptance
 from hf_eagle3 import Eagle3TreeDrafter, batched_decoding, draft_length_policy, generate_hook
-from hf_eagle3.generate_hook import _ACTIVE, use_drafting
+from hf_eagle3.core.generate_hook import _ACTIVE, use_drafting
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
 CHAIN = dict(num_assistant_tokens=4, num_assistant_tokens_schedule="constant")

@@ -1,4 +1,4 @@
-"""``hf-eagle3 check DRAFT --target TARGET`` and :func:`hf_eagle3.check.check_draft`: what was read, whether the pair
+"""``hf-eagle3 check DRAFT --target TARGET`` and :func:`hf_eagle3.checkpoints.check.check_draft`: what was read, whether the pair
 fits (naming the problem and the fix), and which layer-id convention accepts more, measured."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from conftest import tiny_draft, tiny_target
 
 from hf_eagle3 import check as check_mod
-from hf_eagle3.check import check_draft, format_report
+from hf_eagle3.checkpoints.check import check_draft, format_report
 from hf_eagle3.cli import main
-from hf_eagle3.export import export_flat, export_speculators
+from hf_eagle3.checkpoints.export import export_flat, export_speculators
 
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "examples" / "drafts" / "smollm2-135m-eagle3"
 

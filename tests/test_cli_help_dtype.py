@@ -174,7 +174,7 @@ def _shipped_copy(tmp_path, edit) -> Path:
 @pytest.mark.parametrize("loader", ["config", "model"])
 def test_a_draft_config_without_a_required_field_names_file_and_field(tmp_path, loader):
     from hf_eagle3 import Eagle3Config, Eagle3DraftModel
-    from hf_eagle3.configuration_eagle3 import DraftConfigError
+    from hf_eagle3.core.configuration_eagle3 import DraftConfigError
 
     path = _shipped_copy(tmp_path, lambda cfg: cfg.pop("vocab_size"))
     load = Eagle3Config.from_pretrained if loader == "config" else Eagle3DraftModel.from_pretrained
@@ -195,8 +195,8 @@ def test_a_draft_config_without_a_required_field_names_file_and_field(tmp_path, 
 
 def test_a_draft_config_that_is_not_json_names_the_file(tmp_path):
     from hf_eagle3 import Eagle3Config, Eagle3DraftModel
-    from hf_eagle3.config_layouts import config_dict_to_native
-    from hf_eagle3.configuration_eagle3 import DraftConfigError, read_config_file
+    from hf_eagle3.core.config_layouts import config_dict_to_native
+    from hf_eagle3.core.configuration_eagle3 import DraftConfigError, read_config_file
 
     path = _shipped_copy(tmp_path, lambda cfg: json.dumps(cfg)[:-20])
     for load in (Eagle3Config.from_pretrained, Eagle3DraftModel.from_pretrained,

@@ -14,8 +14,8 @@ from transformers.generation import utils as gen_utils
 
 import hf_eagle3
 from hf_eagle3 import Eagle3CandidateGenerator, install_generate_hook
-from hf_eagle3.generate_hook import use_drafting
-from hf_eagle3.transformers_compat import SELECTS_HIDDEN_STATES
+from hf_eagle3.core.generate_hook import use_drafting
+from hf_eagle3.core.transformers_compat import SELECTS_HIDDEN_STATES
 
 GenerationMixin = gen_utils.GenerationMixin
 
@@ -205,7 +205,7 @@ def test_accelerate_device_map(placement, tmp_path):
 def test_hook_is_installed_on_import():
     assert hf_eagle3.is_eagle3_draft(tiny_draft(target()))
     assert not hf_eagle3.is_eagle3_draft(tiny_hf_assistant())
-    assert getattr(GenerationMixin.generate, "_hf_eagle3_hook", None) == hf_eagle3.generate_hook.HOOK_VERSION
+    assert getattr(GenerationMixin.generate, "_hf_eagle3_hook", None) == hf_eagle3.core.generate_hook.HOOK_VERSION
 
 
 def test_inputs_embeds_need_input_ids():

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel
 
 from hf_eagle3 import Eagle3CandidateGenerator, Eagle3Config, Eagle3DraftModel, Eagle3FeatureCapture
-from hf_eagle3.config_layouts import config_dict_to_native, native_to_flat_config, native_to_speculators_config
+from hf_eagle3.core.config_layouts import config_dict_to_native, native_to_flat_config, native_to_speculators_config
 
 V, T = 256, 64  # target vocabulary and hidden size (conftest.TINY)
 

@@ -19,8 +19,8 @@ from test_core_greedy import check_recorded_scores, draft_covering, oracle_selec
 from test_core_sampling import ALPHA, PROMPT, SAMPLING, _broken_processors, plain_samples, target_like
 
 from hf_eagle3 import Eagle3CandidateGenerator, cost_model, draft_length_policy
-from hf_eagle3.cost_model import Eagle3Costs, interpolate, measure_costs
-from hf_eagle3.draft_length_policy import PROBE_EVERY, Eagle3AcceptanceEstimate, Eagle3DraftLengthPolicy
+from hf_eagle3.core.cost_model import Eagle3Costs, interpolate, measure_costs
+from hf_eagle3.core.draft_length_policy import PROBE_EVERY, Eagle3AcceptanceEstimate, Eagle3DraftLengthPolicy
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
 AUTO = {"num_assistant_tokens_schedule": "auto"}
@@ -255,7 +255,7 @@ def test_export_writes_auto_unless_told(tmp_path, fmt):
     import json
 
     from hf_eagle3 import Eagle3DraftModel
-    from hf_eagle3.export import export_draft
+    from hf_eagle3.checkpoints.export import export_draft
 
     draft = tiny_draft(target_of("llama"), 48, seed=6)
     assert draft.generation_config.num_assistant_tokens_schedule == "constant"
@@ -291,7 +291,7 @@ def test_speculators_export_carries_the_shared_embedding_when_the_target_is_know
     from safetensors.torch import load_file
 
     from hf_eagle3 import Eagle3DraftModel
-    from hf_eagle3.export import export_draft
+    from hf_eagle3.checkpoints.export import export_draft
 
     target = target_of("llama")
     draft = tiny_draft(target, 48, seed=9)

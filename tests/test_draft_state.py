@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import tiny_draft, tiny_target
 
-from hf_eagle3.draft_state import Eagle3DraftState
-from hf_eagle3.tree_drafter import DraftTree
+from hf_eagle3.core.draft_state import Eagle3DraftState
+from hf_eagle3.core.tree_drafter import DraftTree
 
 
 class FakeCapture:

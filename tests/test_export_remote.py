@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 import hf_eagle3
-from hf_eagle3.export import (
+from hf_eagle3.checkpoints.export import (
     AUTO_MAP,
     CORE_FILES,
     export_draft,
@@ -172,7 +172,7 @@ def isolated_run(tmp_path_factory):
     assert _cli(["export", str(tmp / "spec"), str(bundles["speculators"]), "--remote-code"]) == 0
 
     copies_match = {  # checked right after writing (other edits of the working tree may follow)
-        (name, f): (bundle / f).read_bytes() == (REPO_ROOT / "hf_eagle3" / f).read_bytes()
+        (name, f): (bundle / f).read_bytes() == (REPO_ROOT / "hf_eagle3" / "core" / f).read_bytes()
         for name, bundle in bundles.items()
         for f in CORE_FILES
     }
@@ -216,7 +216,9 @@ def test_bundle_files(isolated_run):
     assert all(copies_match.values()), copies_match  # the copies are the package's own files
     for bundle in bundles.values():
         names = set(os.listdir(bundle))
-        assert set(CORE_FILES) <= names, names
+        # the bundle's code is the core folder, file for file (its __init__, the folder's map, stays home)
+        core_folder = {p.name for p in (REPO_ROOT / "hf_eagle3" / "core").glob("*.py")} - {"__init__.py"}
+        assert {n for n in names if n.endswith(".py")} == core_folder == set(CORE_FILES), names
         config = json.loads((bundle / "config.json").read_text())
         assert config["auto_map"] == AUTO_MAP
         assert config["model_type"] == hf_eagle3.Eagle3Config.model_type
@@ -226,7 +228,7 @@ def test_bundle_runs_without_hf_eagle3(isolated_run):
     results, ref, _, _ = isolated_run
     assert results["isolation"] in ("removed", "blocked")
     assert results["hf_eagle3_in_sys_modules"] == []
-    for module in CORE_FILES:  # all five were imported from the dynamic-module copies (the lazy imports too)
+    for module in CORE_FILES:  # every core file was imported from the dynamic-module copies (the lazy imports too)
         assert any(m.endswith("." + module[:-3]) for m in results["remote_modules"]), module
     for name, res in results["bundles"].items():
         assert res["class"] == "Eagle3DraftModel", name

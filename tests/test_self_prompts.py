@@ -28,7 +28,7 @@ def tok():
     """The SmolLM2 tokenizer (ChatML template, which injects a system prompt)."""
     from transformers import AutoTokenizer
 
-    from hf_eagle3.real_model import smollm2_path
+    from hf_eagle3.smollm2 import smollm2_path
 
     return AutoTokenizer.from_pretrained(str(smollm2_path()))
 

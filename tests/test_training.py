@@ -397,7 +397,7 @@ def test_prepare_is_resumable(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from hf_eagle3.real_model import smollm2_path
+    from hf_eagle3.smollm2 import smollm2_path
     from hf_eagle3.training.prepare import done_ids, iter_records, prepare
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_path()))
@@ -426,7 +426,7 @@ def test_prepare_shares_the_prompts_between_processes(tmp_path, monkeypatch):
 
     from transformers import AutoTokenizer
 
-    from hf_eagle3.real_model import smollm2_path
+    from hf_eagle3.smollm2 import smollm2_path
     from hf_eagle3.training.cli import process_share
     from hf_eagle3.training.prepare import iter_records, prepare
 
@@ -468,7 +468,7 @@ def test_prepare_writes_the_features_cache_features_would(tmp_path, do_sample):
 
     from transformers import AutoTokenizer
 
-    from hf_eagle3.real_model import smollm2_path
+    from hf_eagle3.smollm2 import smollm2_path
     from hf_eagle3.training.prepare import iter_records, prepare
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_path()))

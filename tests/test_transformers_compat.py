@@ -15,8 +15,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hf_eagle3
 from hf_eagle3 import Eagle3CandidateGenerator
 from hf_eagle3 import transformers_compat as compat
-from hf_eagle3.feature_capture import Eagle3FeatureCapture, Eagle3OutputFeatures
-from hf_eagle3.generate_hook import use_drafting
+from hf_eagle3.core.feature_capture import Eagle3FeatureCapture, Eagle3OutputFeatures
+from hf_eagle3.core.generate_hook import use_drafting
 
 
 class SpyGenerator(Eagle3CandidateGenerator):

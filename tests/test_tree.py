@@ -29,13 +29,13 @@ from conftest import (
 from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
 
-import hf_eagle3.acceptance as acceptance
-import hf_eagle3.target_cache as target_cache
-import hf_eagle3.tree_drafter as tree_drafter
-import hf_eagle3.tree_policy as tree_policy
+import hf_eagle3.core.acceptance as acceptance
+import hf_eagle3.core.target_cache as target_cache
+import hf_eagle3.core.tree_drafter as tree_drafter
+import hf_eagle3.core.tree_policy as tree_policy
 from hf_eagle3 import cost_model, draft_length_policy
-from hf_eagle3.draft_state import Eagle3DraftState
-from hf_eagle3.generate_hook import _ACTIVE
+from hf_eagle3.core.draft_state import Eagle3DraftState
+from hf_eagle3.core.generate_hook import _ACTIVE
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
 SHAPES = [(1, 1, 1), (1, 4, 4), (2, 3, 1), (4, 4, 8), (3, 3, 12)]  # (top_k, depth, total_tokens)

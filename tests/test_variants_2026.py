@@ -29,10 +29,10 @@ from test_core_loaders import (
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from hf_eagle3 import Eagle3CandidateGenerator, Eagle3Config, Eagle3DraftModel, Eagle3FeatureCapture
-from hf_eagle3.config_layouts import config_dict_to_native
-from hf_eagle3.configuration_eagle3 import DraftConfigError
-from hf_eagle3.export import export_flat, export_speculators
-from hf_eagle3.draft_cache import Eagle3KVCache
+from hf_eagle3.core.config_layouts import config_dict_to_native
+from hf_eagle3.core.configuration_eagle3 import DraftConfigError
+from hf_eagle3.checkpoints.export import export_flat, export_speculators
+from hf_eagle3.core.draft_cache import Eagle3KVCache
 
 V, T = 256, 64
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "examples" / "drafts" / "smollm2-135m-eagle3"
@@ -310,7 +310,7 @@ def test_partial_rotary_factor_rotates_only_the_leading_channels():
     inv = 1.0 / (1e4 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))  # vLLM: get_rope(rotary_dim=8)
     angles = pos[0, :, None].double() * inv
     torch.testing.assert_close(cos[0, 0], torch.cat([angles, angles], -1).cos().float(), rtol=0, atol=1e-5)
-    from hf_eagle3.rope import apply_rope
+    from hf_eagle3.core.rope import apply_rope
 
     x = torch.randn(1, 4, 5, 16)
     y = apply_rope(x, cos, sin)
@@ -365,7 +365,7 @@ def test_greedy_drafting_applies_logits_processors():
     when processors are set; without processors the fast path (argmax of the raw scores) is unchanged."""
     draft = tiny_draft(cached_target(), 48, seed=2)
     gen = Eagle3CandidateGenerator.__new__(Eagle3CandidateGenerator)
-    from hf_eagle3.logits_process import Eagle3D2TLogitsProcessor
+    from hf_eagle3.core.logits_process import Eagle3D2TLogitsProcessor
 
     gen.d2t, gen.do_sample = Eagle3D2TLogitsProcessor(draft.d2t, V), False
     scores = torch.randn(1, 48, generator=torch.Generator().manual_seed(0))

@@ -32,7 +32,7 @@ grep -qx '/.gpu_carry/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; e
 mkdir -p $C
 git check-ignore -q $C/p1 || { echo "$C is not ignored by git" >&2; exit 2; }
 
-GGUF=$($PY -c "from hf_eagle3.real_model import find_gguf; print(find_gguf())")
+GGUF=$($PY -c "from hf_eagle3.smollm2 import find_gguf; print(find_gguf())")
 TRANSFORMERS_VERSION=${TRANSFORMERS_VERSION:-$($PY -c "import transformers; print(transformers.__version__)")}
 GGUF_PKG_VERSION=${GGUF_PKG_VERSION:-$($PY -c "import importlib.metadata as m; print(m.version('gguf'))")}
 

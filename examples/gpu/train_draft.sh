@@ -6,7 +6,7 @@
 # Needs what examples/gpu/pack_target.sh put in .gpu_carry/ (N calls: p1 .. pN; see docs/training.md, "On a GPU
 # in one 10-minute run"). Stages, each timed from the script's start (wall budget MINUTES, default 8.5):
 #   0. install the carried wheels (transformers of this checkout, gguf) into $WORK/site; reassemble and check the GGUF
-#   1. convert the GGUF once to a float32 safetensors directory (hf_eagle3.real_model, cached in $WORK/cache)
+#   1. convert the GGUF once to a float32 safetensors directory (hf_eagle3.smollm2, cached in $WORK/cache)
 #   2. `hf-eagle3 prepare --features-dir` in the background, stopped at PREPARE_UNTIL minutes (or when all prompts
 #      are answered); each batch becomes one complete feature shard, written atomically, so stopping loses at most
 #      the batch in flight
@@ -109,7 +109,7 @@ stage "wheels installed, target reassembled"
 
 # 1. convert (cached in $WORK/cache across calls while the machine stays warm)
 TARGET=$($PY -c "
-from hf_eagle3.real_model import find_gguf, smollm2_path
+from hf_eagle3.smollm2 import find_gguf, smollm2_path
 g = find_gguf()
 assert str(g).startswith('$WORK/site/'), f'found another GGUF: {g}'
 print(smollm2_path())" | tail -n 1)

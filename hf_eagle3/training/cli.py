@@ -41,7 +41,7 @@ def load_target(name: str | None, dtype: str = "float32", tokenizer: bool = True
     torch_dtype = getattr(torch, dtype)
     device = device or default_device()
     if name in (None, "smollm2"):
-        from ..real_model import load_smollm2
+        from ..smollm2 import load_smollm2
 
         model, tok = load_smollm2(dtype=torch_dtype)
         return model.to(device), tok
@@ -160,8 +160,8 @@ def cmd_train(args) -> None:
         dtype, line = resolve_dtype(args.feature_dtype, device, label="feature dtype")
         print(line)
         target, _ = load_target(args.target, dtype, tokenizer=False, device=device)
-        from ..configuration_eagle3 import default_feature_layer_ids
-        from ..feature_capture import find_decoder_layers
+        from ..core.configuration_eagle3 import default_feature_layer_ids
+        from ..core.feature_capture import find_decoder_layers
 
         layer_ids = default_feature_layer_ids(len(find_decoder_layers(target)))
         cache_features(target, records, features_dir, layer_ids, per_shard=args.per_shard, batch_size=args.feature_batch,
@@ -173,7 +173,7 @@ def cmd_train(args) -> None:
                          "--features-dir at the directory `hf-eagle3 prepare --features-dir` wrote.")
     head = torch.load(features_dir / "target_head.pt", weights_only=False)
     if args.init_draft:  # continue from a trained draft (its vocabulary mapping and layer ids win)
-        from ..modeling_eagle3 import Eagle3DraftModel
+        from ..core.modeling_eagle3 import Eagle3DraftModel
         from .trainer import check_draft_matches_features
 
         draft = Eagle3DraftModel.from_pretrained(args.init_draft, dtype=torch.float32)
@@ -230,7 +230,7 @@ def cmd_train(args) -> None:
     print(f"saved {save_dir}")
     print_metrics(metrics, "holdout")
     if args.export_flat or args.export_speculators:
-        from .. import export
+        from ..checkpoints import export
 
         if args.export_flat:
             export.export_flat(draft, out / "export-flat")
@@ -263,7 +263,7 @@ def cmd_evaluate(args) -> None:
     """
     import torch
 
-    from ..modeling_eagle3 import Eagle3DraftModel
+    from ..core.modeling_eagle3 import Eagle3DraftModel
     from .trainer import evaluate
 
     if args.k < 1 or args.ttt_length < 1:

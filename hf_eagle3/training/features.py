@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..feature_capture import Eagle3FeatureCapture, find_decoder_layers
+from ..core.feature_capture import Eagle3FeatureCapture, find_decoder_layers
 
 
 def save_target_head(target, out_dir: str | os.PathLike) -> Path:

@@ -228,8 +228,8 @@ class _GenerationFeatureRecorder(LogitsProcessor):
     """
 
     def __init__(self, model, features_dir, layer_ids, dtype, max_prompt_tokens, prefix: str = "shard-"):
-        from ..configuration_eagle3 import default_feature_layer_ids
-        from ..feature_capture import Eagle3FeatureCapture, find_decoder_layers
+        from ..core.configuration_eagle3 import default_feature_layer_ids
+        from ..core.feature_capture import Eagle3FeatureCapture, find_decoder_layers
         from .features import save_target_head
 
         if layer_ids is None:

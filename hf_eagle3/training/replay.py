@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ..logits_process import Eagle3D2TLogitsProcessor
-from ..modeling_eagle3 import Eagle3DraftModel
-from ..stats import Eagle3Stats
+from ..core.logits_process import Eagle3D2TLogitsProcessor
+from ..core.modeling_eagle3 import Eagle3DraftModel
+from ..core.stats import Eagle3Stats
 from .features import pad_records
 from .ttt import ttt_forward
 
@@ -54,7 +54,7 @@ def replay_record(preds: torch.LongTensor, input_ids: torch.LongTensor, target_a
         prompt_len: number of prompt tokens; the first answer token is the one the prefill produces.
 
     Returns:
-        the :class:`~hf_eagle3.stats.Eagle3Stats` decoding would have recorded: the prefill, every drafting round,
+        the :class:`~hf_eagle3.core.stats.Eagle3Stats` decoding would have recorded: the prefill, every drafting round,
         and the rounds without a draft at the end, where no room is left for one.
     """
     k = preds.shape[0]
@@ -97,7 +97,7 @@ def replay_chain_acceptance(draft: Eagle3DraftModel, items: list[dict], k: int =
         batch_tokens: padded tokens per draft pass.
 
     Returns:
-        the records' :class:`~hf_eagle3.stats.Eagle3Stats`, summed: what ``draft.last_stats`` would hold after
+        the records' :class:`~hf_eagle3.core.stats.Eagle3Stats`, summed: what ``draft.last_stats`` would hold after
         decoding them one call each.
     """
     if k < 1:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..configuration_eagle3 import Eagle3Config, default_feature_layer_ids
-from ..modeling_eagle3 import Eagle3DraftModel
+from ..core.configuration_eagle3 import Eagle3Config, default_feature_layer_ids
+from ..core.modeling_eagle3 import Eagle3DraftModel
 from .features import FeatureShards, collate
 from .hardware import resolve_dtype
 from .replay import replay_chain_acceptance
@@ -401,7 +401,7 @@ def evaluate(draft: Eagle3DraftModel, features_dir, shards=None, ttt_length: int
         ``{"acc": [...], "loss": [...], "count": ...}`` averaged over counted positions; ``"vocab_coverage"``, the
         share of answer positions whose target argmax is in the draft vocabulary (the others are never accepted
         and not counted in ``acc``: a low coverage calls for a larger ``--draft-vocab-size``); and ``"chain"`` (the
-        replay's :meth:`~hf_eagle3.stats.Eagle3Stats.to_dict`, with ``"k"``: ``chain_length``) when ``chain_length``
+        replay's :meth:`~hf_eagle3.core.stats.Eagle3Stats.to_dict`, with ``"k"``: ``chain_length``) when ``chain_length``
         > 0.
     """
     head = check_draft_matches_features(draft, features_dir)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..modeling_eagle3 import Eagle3DraftModel
+from ..core.modeling_eagle3 import Eagle3DraftModel
 
 
 class ConcatKVCache:

@@ -47,8 +47,8 @@ from speculators.train.config import TrainConfig  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from hf_eagle3 import Eagle3Config, Eagle3DraftModel  # noqa: E402
-from hf_eagle3.export import export_draft  # noqa: E402
-from hf_eagle3.draft_cache import Eagle3KVCache  # noqa: E402
+from hf_eagle3.checkpoints.export import export_draft  # noqa: E402
+from hf_eagle3.core.draft_cache import Eagle3KVCache  # noqa: E402
 
 V, H, DV, N, STEPS = 256, 64, 96, 128, 3  # target vocab, hidden, draft vocab, sequence, chained steps
 # N: speculators extends its flex-attention block mask per step assuming the sequence fills whole 128-blocks.

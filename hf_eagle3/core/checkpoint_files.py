@@ -23,7 +23,7 @@ def convert_state_dict(state: dict, layout: str) -> dict:
 
     Args:
         state (`dict[str, torch.Tensor]`): the checkpoint's tensors.
-        layout (`str`): what :func:`~hf_eagle3.configuration_eagle3.detect_layout` returned (informative).
+        layout (`str`): what :func:`~hf_eagle3.core.configuration_eagle3.detect_layout` returned (informative).
     """
     out = {}
     for k, v in state.items():

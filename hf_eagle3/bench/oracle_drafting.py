@@ -1,7 +1,7 @@
 """Oracle drafting: the draft's forwards run as usual, but what it proposes is the target's own greedy continuation,
 accepted for a length drawn each round from an acceptance profile (the first token past it is made wrong). Chains
 (:class:`OracleCandidateGenerator`) and trees (:class:`OracleTreeDrafter`); the output stays the target's.
-Used by ``hf-eagle3 bench --oracle`` (:mod:`hf_eagle3.oracle_bench`).
+Used by ``hf-eagle3 bench --oracle`` (:mod:`hf_eagle3.bench.oracle`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from hf_eagle3.candidate_generator import Eagle3CandidateGenerator
-from hf_eagle3.tree_drafter import Eagle3TreeDrafter
+from hf_eagle3.core.candidate_generator import Eagle3CandidateGenerator
+from hf_eagle3.core.tree_drafter import Eagle3TreeDrafter
 
 
 PROFILES = {
@@ -112,7 +112,7 @@ class OracleCandidateGenerator(Eagle3CandidateGenerator):
 
 class OracleTreeDrafter(Eagle3TreeDrafter):
     """
-    :class:`~hf_eagle3.tree_drafter.Eagle3TreeDrafter` whose trees carry the target's greedy continuation along one
+    :class:`~hf_eagle3.core.tree_drafter.Eagle3TreeDrafter` whose trees carry the target's greedy continuation along one
     path (to the tree's first deepest node), right for a depth drawn each round from ``profile``; every other node is
     wrong.
     So a tree accepts what a chain with the same profile accepts, at the tree's own cost (its drafting and its

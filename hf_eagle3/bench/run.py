@@ -1,7 +1,7 @@
 """Side-by-side benchmark of decoding strategies on the same prompts: plain ``generate``, prompt-lookup decoding,
 EAGLE-3 chain drafting over a sweep of draft lengths k and EAGLE-3 dynamic trees, greedy and sampled.
 
-The strategies are in :mod:`hf_eagle3.bench_strategies`, the report's table and plot in :mod:`hf_eagle3.bench_report`,
+The strategies are in :mod:`hf_eagle3.bench.strategies`, the report's table and plot in :mod:`hf_eagle3.bench.report`,
 the loaders of target, draft and prompts in :mod:`hf_eagle3.loading` (``load_target``, ``load_draft``,
 ``load_prompts`` and the strategy registry stay importable from here).
 
@@ -19,8 +19,8 @@ import torch
 
 import hf_eagle3
 from hf_eagle3 import Eagle3Stats
-from hf_eagle3.bench_report import format_markdown, write_outputs
-from hf_eagle3.bench_strategies import (
+from hf_eagle3.bench.report import format_markdown, write_outputs
+from hf_eagle3.bench.strategies import (
     STRATEGIES,
     TREE_SHAPES,
     Strategy,
@@ -28,7 +28,7 @@ from hf_eagle3.bench_strategies import (
     parse_tree_shapes,
     register_strategy,
 )
-from hf_eagle3.cost_model import measure_target_seconds
+from hf_eagle3.core.cost_model import measure_target_seconds
 from hf_eagle3.environment import environment_record
 from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target
 
@@ -92,7 +92,7 @@ def run_bench(
         out_dir: when given, write ``bench.json``, ``bench.md`` and ``bench.png`` there.
         meta: extra fields stored under ``"settings"`` in the report (e.g. model names, the command line).
         progress: show a tqdm progress bar on stderr.
-        cost_sizes: token counts for :func:`~hf_eagle3.cost_model.measure_target_seconds` on the first prompt
+        cost_sizes: token counts for :func:`~hf_eagle3.core.cost_model.measure_target_seconds` on the first prompt
             (empty: skip).
 
     Returns:
@@ -212,8 +212,8 @@ def run_bench(
 # ------------------------------------------------------------------------------------------------------------- CLI
 def _batched_command(args, target, draft, tokenizer, prompts, batch_sizes, max_new_tokens, ks, families,
                      tree_shapes) -> int:
-    """``hf-eagle3 bench --batch-sizes``: :func:`~hf_eagle3.bench_batched.run_batched_bench`, printed and written."""
-    from hf_eagle3.bench_batched import format_batched_markdown, run_batched_bench, write_batched_outputs
+    """``hf-eagle3 bench --batch-sizes``: :func:`~hf_eagle3.bench.batched.run_batched_bench`, printed and written."""
+    from hf_eagle3.bench.batched import format_batched_markdown, run_batched_bench, write_batched_outputs
     report = run_batched_bench(target, draft, tokenizer, prompts, batch_sizes=batch_sizes,
                                max_new_tokens=max_new_tokens, ks=ks, families=families, tree_shapes=tree_shapes)
     report["settings"] = environment_record(target, "hf-eagle3 " + " ".join(getattr(args, "argv", None) or ["bench"]),
@@ -240,7 +240,7 @@ def bench_command(args) -> int:
         0, or 1 when greedy outputs differ between strategies.
     """
     if getattr(args, "oracle", None):
-        from hf_eagle3.oracle_bench import oracle_command
+        from hf_eagle3.bench.oracle import oracle_command
 
         return oracle_command(args)
     if getattr(args, "synthetic", None):

@@ -62,7 +62,7 @@ class TreeSizeChooser:
         """
         Whether to draft a tree this round: while the recent rounds with a tree made clearly fewer tokens per second
         than a plain target step would (below :data:`SKIP_BELOW` of it; the step measured, or the one-token forward
-        time before any), draft nothing but the probes of a :class:`~hf_eagle3.draft_length_policy.ProbeSchedule`.
+        time before any), draft nothing but the probes of a :class:`~hf_eagle3.core.draft_length_policy.ProbeSchedule`.
         """
         if self.rounds < MIN_ROUNDS_BEFORE_SKIPPING:
             return True  # too little measured yet

@@ -47,7 +47,7 @@ class Eagle3CandidateGenerator(CandidateGenerator):
             -1 otherwise, kept on the draft's generation config after the call), ``"heuristic_transient"`` (same,
             not kept) or ``"auto"`` (each round the length, 0 included, with the most expected tokens per second
             under the round costs measured on this machine and the acceptance seen so far; see
-            :class:`~hf_eagle3.draft_length_policy.Eagle3DraftLengthPolicy`).
+            :class:`~hf_eagle3.core.draft_length_policy.Eagle3DraftLengthPolicy`).
         assistant_confidence_threshold (`float`): stop drafting in a round once the draft's probability of its own
             token falls below this (0 disables it; when set, each draft step reads one value back from the device).
         target (`PreTrainedModel`, *optional*): the target, whose forwards ``"auto"`` times once (required for it).
@@ -55,7 +55,7 @@ class Eagle3CandidateGenerator(CandidateGenerator):
             history Transformers sizes once per call by :attr:`num_drafting_tokens`: no round then drafts more than
             the initial ``num_assistant_tokens`` (the heuristic schedules grow up to it, not beyond).
 
-    With an :class:`~hf_eagle3.feature_capture.Eagle3OutputFeatures` as ``capture``, the generator follows
+    With an :class:`~hf_eagle3.core.feature_capture.Eagle3OutputFeatures` as ``capture``, the generator follows
     Transformers' public protocol for drafters that read the target: ``requires_model_outputs`` is set, the target is
     called with :attr:`model_kwargs_overrides` (the selected hidden states) and each round's ``get_candidates``
     receives its outputs.

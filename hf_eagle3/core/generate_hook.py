@@ -1,7 +1,7 @@
 """The one place that hooks Transformers' ``generate``: while an EAGLE-3 draft is the ``assistant_model`` of a call,
 ``generate`` installs the feature capture on the target, ``_get_candidate_generator`` returns the chain drafter
-(:class:`~hf_eagle3.candidate_generator.Eagle3CandidateGenerator`) and ``_assisted_decoding`` runs the tree loop
-(:func:`~hf_eagle3.tree_decoding.eagle3_tree_decoding`) when ``tree_*`` settings are given (see
+(:class:`~hf_eagle3.core.candidate_generator.Eagle3CandidateGenerator`) and ``_assisted_decoding`` runs the tree loop
+(:func:`~hf_eagle3.core.tree_decoding.eagle3_tree_decoding`) when ``tree_*`` settings are given (see
 :func:`route_assisted_decoding`). Every other call of ``generate`` is left exactly as it was.
 
 :func:`install_generate_hook` installs the three patches (idempotent); the package's ``__init__`` calls it, and so
@@ -70,7 +70,7 @@ def use_drafting(chain=None, tree=None, features=None):
     """
     Within the block, EAGLE-3 calls of ``generate`` draft with ``chain`` (a subclass of
     :class:`Eagle3CandidateGenerator` taking the same arguments) and/or ``tree`` (a subclass of
-    :class:`~hf_eagle3.tree_drafter.Eagle3TreeDrafter`) instead of the defaults: how benchmarks swap in instrumented
+    :class:`~hf_eagle3.core.tree_drafter.Eagle3TreeDrafter`) instead of the defaults: how benchmarks swap in instrumented
     drafting (e.g. ``hf-eagle3 bench --oracle``) without another code path. ``features="hooks"`` makes chain drafting
     take the target's features from forward hooks even where Transformers can hand them over (how the two sources
     are compared); ``"outputs"`` asks for the protocol and fails on releases that lack it.
@@ -235,7 +235,7 @@ def _eagle3_get_candidate_generator(original):
 def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
     """
     Which loop runs the assisted decoding of a ``generate`` call while an EAGLE-3 call is active: the batched loop
-    (:mod:`~hf_eagle3.batched_decoding`, chains and trees) for more than one row, the tree loop for one row with tree
+    (:mod:`~hf_eagle3.core.batched_decoding`, chains and trees) for more than one row, the tree loop for one row with tree
     settings, else Transformers' own loop (batch-1 chain drafting runs there, through the candidate generator).
     Other calls run Transformers' loop unchanged.
 
@@ -303,7 +303,7 @@ def install_generate_hook() -> None:
 
     Wraps ``GenerationMixin.generate`` (capture, settings, per-call state), ``_get_candidate_generator`` (chain
     drafting: :class:`Eagle3CandidateGenerator`) and ``_assisted_decoding`` (:func:`route_assisted_decoding`: the
-    package's loop for trees and batches), through :mod:`~hf_eagle3.transformers_compat`, which checks first that the
+    package's loop for trees and batches), through :mod:`~hf_eagle3.core.transformers_compat`, which checks first that the
     installed Transformers has them (``ImportError`` naming the version and the fix when not). Every other call of
     ``generate`` is left exactly as it was.
     """

@@ -3,7 +3,7 @@
 A round that drafts ``k`` tokens yields ``1 + sum_i prod_{j <= i} a_j`` tokens on average, ``a_j`` being the chance
 that draft token ``j`` is accepted given that the ones before it were (:class:`Eagle3AcceptanceEstimate`, learnt from
 the rounds so far). :class:`Eagle3DraftLengthPolicy` picks the ``k`` with the most expected tokens per second under
-the measured round costs (:class:`~hf_eagle3.cost_model.Eagle3Costs`); when no ``k`` pays it drafts nothing, with
+the measured round costs (:class:`~hf_eagle3.core.cost_model.Eagle3Costs`); when no ``k`` pays it drafts nothing, with
 probe rounds (:class:`ProbeSchedule`) to notice when drafting pays again.
 
 Core file (part of a remote-code bundle): imports only the core file ``cost_model``.

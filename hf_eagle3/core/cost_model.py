@@ -4,7 +4,7 @@ draft / device / dtype (:func:`measure_costs`) and kept as :class:`Eagle3Costs`.
 A round that drafts ``k`` tokens costs one draft forward over the positions the target verified since the draft last
 ran (the "feed", which also proposes the first token), ``k - 1`` further draft steps and a target forward over
 ``k + 1`` tokens. A round that drafts nothing is a plain target step (the feed is deferred to the next round that
-drafts). The policy that decides from these costs how much to draft is :mod:`hf_eagle3.draft_length_policy`.
+drafts). The policy that decides from these costs how much to draft is :mod:`hf_eagle3.core.draft_length_policy`.
 
 Core file (part of a remote-code bundle): imports only torch/transformers (and ``draft_cache`` inside a function).
 """

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from hf_eagle3.bench_strategies import TREE_SHAPES, build_strategies
+from hf_eagle3.bench.strategies import TREE_SHAPES, build_strategies
 from hf_eagle3.loading import encode_prompt
 
 # Families that run on batches (prompt-lookup decoding is Transformers' assisted loop, batch 1 only).

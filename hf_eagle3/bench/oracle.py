@@ -5,7 +5,7 @@ The draft's forwards run as usual (their cost is real) but the tokens it propose
 greedy continuation, accepted up to a length drawn each round from an acceptance profile (per draft position, the
 fraction of rounds whose token there is accepted, e.g. the seed's Llama-3.1-8B profile); the first token past that
 length is made wrong. The output stays the target's, and is checked against plain ``generate``. For each draft length
-the bench reports the measured speed-up, the bound the cost model (:mod:`hf_eagle3.cost_model`) predicts for the same
+the bench reports the measured speed-up, the bound the cost model (:mod:`hf_eagle3.core.cost_model`) predicts for the same
 profile, and where a round's time goes (draft, verification, bookkeeping).
 
 Targets: any model ``hf-eagle3 bench`` loads, or a random-weight model of a published shape (``--synthetic``), so the
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 import hf_eagle3
-from hf_eagle3.generate_hook import use_drafting
-from hf_eagle3.cost_model import measure_costs
-from hf_eagle3.oracle import OracleCandidateGenerator, OracleTreeDrafter, bind_oracle, expected_tokens, parse_profile
-from hf_eagle3.synthetic import synthetic_target
+from hf_eagle3.core.generate_hook import use_drafting
+from hf_eagle3.core.cost_model import measure_costs
+from hf_eagle3.bench.oracle_drafting import OracleCandidateGenerator, OracleTreeDrafter, bind_oracle, expected_tokens, parse_profile
+from hf_eagle3.bench.synthetic import synthetic_target
 
 
 class _ForwardTimer:
@@ -318,7 +318,7 @@ def oracle_command(args) -> int:
     Returns:
         0, or 1 when an output differs from plain ``generate``.
     """
-    from hf_eagle3.bench_strategies import parse_tree_shapes
+    from hf_eagle3.bench.strategies import parse_tree_shapes
     from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target, random_draft_for
 
     profile = parse_profile(args.oracle)

@@ -147,11 +147,11 @@ def eagle3_batched_decoding(
 ):
     r"""
     EAGLE-3 decoding of a left-padded batch (chains or trees), run in place of ``GenerationMixin._assisted_decoding``
-    with the arguments Transformers prepared for it (see :func:`~hf_eagle3.generate_hook.loop_arguments`).
+    with the arguments Transformers prepared for it (see :func:`~hf_eagle3.core.generate_hook.loop_arguments`).
 
     Each round, in order: **draft** (each unfinished row's draft consumes its verified features and drafts a chain or
     a tree), **verify** (one target forward of every row's nodes: 4D mask over the row's valid cache entries and its
-    tree, per-row positions), **accept** (per row, :func:`~hf_eagle3.acceptance.walk_tree`, then the length limit and
+    tree, per-row positions), **accept** (per row, :func:`~hf_eagle3.core.acceptance.walk_tree`, then the length limit and
     EOS), **commit** (the target cache keeps each row's accepted path, the accepted features wait for the draft) and
     **retire** (finished rows leave the batch). Output: the rows as plain batched ``generate`` lays them out (padded
     prompt, generated tokens, ``pad_token_id`` after a row's end).

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from .configuration_eagle3 import detect_layout, read_config_file
+from ..core.configuration_eagle3 import detect_layout, read_config_file
 
 # Prompts used when the target has a tokenizer (the chat template applies when there is one).
 CHECK_PROMPTS = (
@@ -127,7 +127,7 @@ def _prompt_ids(tokenizer, num_prompts: int, vocab_size: int) -> list[torch.Long
     if tokenizer is None:
         gen = torch.Generator().manual_seed(0)
         return [torch.randint(4, vocab_size, (1, 12), generator=gen) for _ in range(num_prompts)]
-    from .loading import encode_prompt
+    from ..loading import encode_prompt
 
     return [encode_prompt(tokenizer, CHECK_PROMPTS[i % len(CHECK_PROMPTS)]) for i in range(num_prompts)]
 
@@ -187,7 +187,7 @@ def check_draft(draft, target, tokenizer=None, draft_path: str | os.PathLike | N
         (each with its fix; empty when the pair fits), ``candidates`` (measured acceptance of each layer-id choice),
         ``best``, ``advice`` and ``notes`` (remarks that are not misfits).
     """
-    from .modeling_eagle3 import Eagle3DraftModel
+    from ..core.modeling_eagle3 import Eagle3DraftModel
 
     if not isinstance(draft, torch.nn.Module):
         draft_path = str(draft)
@@ -306,7 +306,7 @@ def load_target(target: str | None, dtype: str | None = None, device: str | None
     """
     torch_dtype = getattr(torch, dtype) if dtype else torch.float32
     if target is None:
-        from .real_model import load_smollm2
+        from ..smollm2 import load_smollm2
 
         model, tokenizer = load_smollm2(dtype=torch_dtype)
     else:

@@ -1,7 +1,7 @@
 """The published layouts of a draft's ``config.json`` ("flat": the EAGLE authors, SGLang, SpecForge; "speculators":
-vLLM's draft library; see :func:`~hf_eagle3.configuration_eagle3.detect_layout`): which of their fields hf-eagle3
+vLLM's draft library; see :func:`~hf_eagle3.core.configuration_eagle3.detect_layout`): which of their fields hf-eagle3
 reads, which change the draft's math (an error when hf-eagle3 does not implement them), and the conversions to
-:class:`~hf_eagle3.configuration_eagle3.Eagle3Config` keyword arguments and back.
+:class:`~hf_eagle3.core.configuration_eagle3.Eagle3Config` keyword arguments and back.
 
 Core file (part of a remote-code bundle): imports only the standard library and the core file ``configuration_eagle3``.
 """

@@ -1,0 +1,25 @@
+"""The core: what a remote-code bundle carries next to a draft's weights (``hf-eagle3 export --remote-code``).
+
+Every ``*.py`` file of this folder except this one is copied verbatim into the bundle, so the folder is flat (the
+remote-code loader resolves ``from .x import y`` to a sibling file) and its files import only torch, transformers,
+the standard library and each other (``tests/test_import_cycles.py``).
+
+The draft model
+    ``configuration_eagle3`` (the config and its checks), ``config_layouts`` (published config layouts),
+    ``checkpoint_files`` (weight files and tensor names), ``modeling_eagle3`` (the model), ``draft_layers``,
+    ``draft_cache``, ``rope``.
+The Transformers integration
+    ``transformers_compat`` (every private Transformers name, the supported range), ``generate_hook``,
+    ``auto_entry`` (the bundle's ``AutoModel`` entry), ``settings`` (the drafting settings), ``feature_capture``,
+    ``stats``.
+Drafting
+    ``draft_state``, ``candidate_generator`` (chains in Transformers' loop), ``tree_drafter``, ``logits_process``
+    (draft vocabulary to target vocabulary).
+Verifying
+    ``acceptance``, ``target_cache``.
+The loops
+    ``tree_decoding`` (trees, batch 1), ``batched_decoding`` (batches, chains and trees).
+How much to draft
+    ``cost_model`` (measured round costs), ``draft_length_policy`` (``"auto"`` for chains), ``tree_policy``
+    (``"auto"`` for trees).
+"""
