@@ -160,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         argv: arguments without the program name.
     """
     args = parse_args(argv)
-    import hf_eagle3  # noqa: F401  (installs the generate hook)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    import hf_eagle3  # noqa: F401  (installs the generate hook)
     from hf_eagle3.loading import encode_prompt, load_prompts
     from hf_eagle3.smollm2 import smollm2_path
 

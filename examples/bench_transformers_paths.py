@@ -17,31 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-import hf_eagle3
-from hf_eagle3 import transformers_compat as compat
+from hf_eagle3.core import transformers_compat as compat
 from hf_eagle3.core.generate_hook import use_drafting
-from hf_eagle3.loading import encode_prompt, load_draft, load_target
-
-SHIPPED = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-eagle3"
-
-
-def cpu_flags() -> str:
-    """The CPU's model name and its vector / matrix flags (what decides bf16 and fp32 speed)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    keep = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
-    return f"{model} | {' '.join(sorted(set(keep)))}"
+from hf_eagle3.environment import environment_record
+from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target, shipped_draft_path
 
 
 def feature_bytes(target, draft, ids) -> dict:
@@ -68,6 +54,8 @@ def feature_bytes(target, draft, ids) -> dict:
 def main() -> None:
     """Run the comparison and print a markdown table (and JSON with ``--json-out``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", default=None,
+                        help="JSON-lines prompts (MT-bench question.jsonl or {\"prompt\": ...} rows); default: built-in")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
@@ -78,10 +66,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     target, tokenizer = load_target(None, dtype=torch.float32, device="cpu")
-    draft, draft_name, _ = load_draft(str(SHIPPED), target)
-    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "chat_prompts.jsonl"
-    texts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()[: args.prompts]] if data.exists() \
-        else [f"Explain topic number {i} in three sentences." for i in range(args.prompts)]
+    draft, draft_name, _ = load_draft(str(shipped_draft_path()), target)
+    texts = load_prompts(args.dataset, args.prompts)
     prompts = [encode_prompt(tokenizer, text) for text in texts]
     common = dict(do_sample=False, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
     eagle = dict(assistant_model=draft, num_assistant_tokens=args.k, num_assistant_tokens_schedule="constant")
@@ -132,15 +118,15 @@ def main() -> None:
     totals = {name: sum(v) for name, v in seconds.items()}
     base = totals["plain generate"]
     result = {
-        "cpu": cpu_flags(), "torch": torch.__version__, "transformers": compat.transformers.__version__,
-        "hf_eagle3": hf_eagle3.__version__, "draft": Path(draft_name).name, "k": args.k, "prompts": len(prompts),
+        **environment_record(target, command="python " + " ".join(sys.argv), draft_path=draft_name),
+        "draft": Path(draft_name).name, "k": args.k, "prompts": len(prompts),
         "new_tokens": args.new_tokens, "repeats": args.repeats,
         "rows": {name: {"speedup_vs_plain": base / totals[name],
                         "mean_acceptance_length": statistics.mean(accepted[name]) if accepted[name] else None}
                  for name in rows},
     }
     result["feature_bytes_per_prompt_token"] = feature_bytes(target, draft, prompts[0])
-    print(f"CPU: {result['cpu']}\ntorch {torch.__version__}, transformers {result['transformers']}, fp32, "
+    print(f"CPU: {result['cpu']}\ntorch {torch.__version__}, transformers {result['transformers_version']}, fp32, "
           f"k = {args.k}, {len(prompts)} prompts x {args.new_tokens} tokens x {args.repeats}")
     print(f"hidden-state bytes kept per prompt token: {result['feature_bytes_per_prompt_token']}")
     print("| path | speed-up vs plain generate | mean acceptance length |\n| --- | ---: | ---: |")

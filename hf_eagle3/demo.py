@@ -11,9 +11,10 @@ import time
 
 import torch
 
-from hf_eagle3.loading import encode_prompt, load_draft, load_target
+from hf_eagle3.core.cost_model import synchronize
+from hf_eagle3.loading import BUILTIN_PROMPTS, encode_prompt, load_draft, load_target
 
-DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
+DEMO_PROMPT = BUILTIN_PROMPTS[0]
 
 
 def run_demo(
@@ -64,7 +65,6 @@ def run_demo(
         k = (f"{schedule} (k <= {saved.num_assistant_tokens})" if schedule == "auto"
              else f"{saved.num_assistant_tokens} ({schedule})")
     ids = encode_prompt(tokenizer, prompt).to(target_model.device)
-    sync = torch.cuda.synchronize if target_model.device.type == "cuda" else (lambda: None)
     mask = torch.ones_like(ids)
     sampling = temperature is not None and temperature > 0
     gen = {"max_new_tokens": max_new_tokens, "attention_mask": mask, "do_sample": sampling}
@@ -82,10 +82,10 @@ def run_demo(
     print(f"User: {prompt}\nAssistant (EAGLE-3): ", end="", flush=True)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     torch.manual_seed(seed)
-    sync()
+    synchronize(target_model.device)
     start = time.perf_counter()
     eagle_out = target_model.generate(ids, assistant_model=draft_model, streamer=streamer, **draft_settings, **gen)
-    sync()
+    synchronize(target_model.device)
     eagle_s = time.perf_counter() - start
     stats = draft_model.last_stats
     print()
@@ -93,10 +93,10 @@ def run_demo(
 
     print("Timing plain generate on the same prompt ...", flush=True)
     torch.manual_seed(seed)
-    sync()
+    synchronize(target_model.device)
     start = time.perf_counter()
     plain_out = target_model.generate(ids, **gen)
-    sync()
+    synchronize(target_model.device)
     plain_s = time.perf_counter() - start
 
     eagle_new = eagle_out[0, ids.shape[1]:].tolist()

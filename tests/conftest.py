@@ -14,7 +14,6 @@ import torch
 # on one thread than on two that wait for each other).
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, min(2, os.cpu_count() or 1)))
 
-import hf_eagle3  # noqa: E402  (installs the generate hook)
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -22,6 +21,8 @@ from transformers import (  # noqa: E402
     MistralConfig,
     Qwen3Config,
 )
+
+import hf_eagle3  # noqa: E402  (installs the generate hook)
 
 TINY = dict(
     vocab_size=256,

@@ -16,13 +16,14 @@ import itertools
 
 import pytest
 import torch
-from conftest import plain_continuations, sampling_models, tiny_draft, tiny_target, token_p_values
 from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
+from conftest import plain_continuations, sampling_models, tiny_draft, tiny_target, token_p_values
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 import hf_eagle3.core.acceptance as acceptance
-from hf_eagle3 import Eagle3TreeDrafter, batched_decoding, draft_length_policy, generate_hook
+from hf_eagle3 import Eagle3TreeDrafter
+from hf_eagle3.core import batched_decoding, draft_length_policy, generate_hook
 from hf_eagle3.core.generate_hook import _ACTIVE, use_drafting
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")

@@ -4,17 +4,17 @@ fits (naming the problem and the fix), and which layer-id convention accepts mor
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from conftest import tiny_draft, tiny_target
 
-from hf_eagle3 import check as check_mod
+from hf_eagle3.checkpoints import check as check_mod
 from hf_eagle3.checkpoints.check import check_draft, format_report
-from hf_eagle3.cli import main
 from hf_eagle3.checkpoints.export import export_flat, export_speculators
+from hf_eagle3.cli import main
+from hf_eagle3.loading import shipped_draft_path
 
-SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "examples" / "drafts" / "smollm2-135m-eagle3"
+SHIPPED_DRAFT = shipped_draft_path()
 
 
 @pytest.fixture(scope="module")

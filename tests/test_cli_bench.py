@@ -11,7 +11,11 @@ import pytest
 import torch
 from conftest import tiny_draft, tiny_target
 
-from hf_eagle3 import bench, bench_report, bench_strategies, cli, cost_model, loading
+from hf_eagle3 import cli, loading
+from hf_eagle3.bench import report as bench_report
+from hf_eagle3.bench import run as bench
+from hf_eagle3.bench import strategies as bench_strategies
+from hf_eagle3.core import cost_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -237,7 +241,7 @@ def test_example_acceptance_by_category(tmp_path):
 def test_batched_bench_tiny(tmp_path):
     """``bench --batch-sizes``: every strategy on the same left-padded batches, ratios to plain batched generate,
     rows compared with plain's; a mismatch is reported."""
-    from hf_eagle3 import bench_batched
+    from hf_eagle3.bench import batched as bench_batched
 
     target = tiny_target("llama")
     target.generation_config.eos_token_id = None

@@ -13,10 +13,11 @@ import torch
 from conftest import tiny_target
 
 from hf_eagle3.cli import build_parser
+from hf_eagle3.loading import shipped_draft_path
 from hf_eagle3.training import cli as train_cli
 from hf_eagle3.training import hardware
 
-SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "examples" / "drafts" / "smollm2-135m-eagle3"
+SHIPPED_DRAFT = shipped_draft_path()
 
 
 # --------------------------------------------------------------------------------------------------- auto dtype

@@ -13,12 +13,13 @@ import itertools
 
 import pytest
 import torch
-from conftest import cached_target as target_of
 from conftest import assisted_continuations, greedy, random_prompt, sampling_models, tiny_draft, token_p_values
+from conftest import cached_target as target_of
 from test_core_greedy import check_recorded_scores, draft_covering, oracle_select
 from test_core_sampling import ALPHA, PROMPT, SAMPLING, _broken_processors, plain_samples, target_like
 
-from hf_eagle3 import Eagle3CandidateGenerator, cost_model, draft_length_policy
+from hf_eagle3 import Eagle3CandidateGenerator
+from hf_eagle3.core import cost_model, draft_length_policy
 from hf_eagle3.core.cost_model import Eagle3Costs, interpolate, measure_costs
 from hf_eagle3.core.draft_length_policy import PROBE_EVERY, Eagle3AcceptanceEstimate, Eagle3DraftLengthPolicy
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_draft, tiny_target
 from safetensors import safe_open
 
 import hf_eagle3
@@ -25,8 +26,6 @@ from hf_eagle3.checkpoints.export import (
     export_speculators,
     register,
 )
-
-from conftest import tiny_draft, tiny_target
 
 REPO_ROOT = Path(hf_eagle3.__file__).resolve().parent.parent
 PROMPT = [[1, 5, 9, 20, 33, 7, 2, 11]]

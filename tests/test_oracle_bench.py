@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from hf_eagle3.loading import random_draft_for
+from hf_eagle3.bench.oracle import format_oracle_markdown, round_bound, run_oracle_bench
+from hf_eagle3.bench.oracle_drafting import PROFILES, draw_acceptance, expected_tokens, parse_profile
+from hf_eagle3.bench.synthetic import SYNTHETIC, synthetic_target
 from hf_eagle3.cli import main
 from hf_eagle3.core.cost_model import Eagle3Costs
-from hf_eagle3.bench.oracle_drafting import PROFILES, draw_acceptance, expected_tokens, parse_profile
-from hf_eagle3.bench.oracle import format_oracle_markdown, round_bound, run_oracle_bench
-from hf_eagle3.bench.synthetic import SYNTHETIC, synthetic_target
+from hf_eagle3.loading import random_draft_for
 
 
 def test_parse_profile():

@@ -12,9 +12,8 @@ import warnings
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from conftest import tiny_draft, tiny_target
+from transformers import AutoModelForCausalLM
 
 PROMPT = [[1, 5, 9, 20, 33, 7, 2, 11]]
 NEW_TOKENS = 20

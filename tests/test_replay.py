@@ -1,15 +1,15 @@
 """Chain acceptance replayed from cached features equals what greedy chain decoding accepts."""
 
-from pathlib import Path
 
 import pytest
 import torch
 
 import hf_eagle3
+from hf_eagle3.loading import shipped_draft_path
 from hf_eagle3.training.features import FeatureShards, cache_features
 from hf_eagle3.training.replay import replay_chain_acceptance, replay_record
 
-DRAFT = Path(__file__).resolve().parents[1] / "examples" / "drafts" / "smollm2-135m-eagle3"
+DRAFT = shipped_draft_path()
 
 
 def test_replay_record_walks_rounds_like_decoding():

@@ -12,9 +12,8 @@ import torch
 from conftest import cached_draft, cached_target, random_prompt, tiny_draft
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import hf_eagle3
 from hf_eagle3 import Eagle3CandidateGenerator
-from hf_eagle3 import transformers_compat as compat
+from hf_eagle3.core import transformers_compat as compat
 from hf_eagle3.core.feature_capture import Eagle3FeatureCapture, Eagle3OutputFeatures
 from hf_eagle3.core.generate_hook import use_drafting
 
@@ -104,7 +103,7 @@ def test_release_outside_the_range_warns_once():
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    import hf_eagle3\n"
-        "    from hf_eagle3 import transformers_compat, install_generate_hook\n"
+        "    from hf_eagle3 import install_generate_hook\n    from hf_eagle3.core import transformers_compat\n"
         "    install_generate_hook(); transformers_compat.check_transformers()\n"
         "ours = [str(w.message) for w in caught if 'tested with transformers' in str(w.message)]\n"
         "print(len(ours)); print(ours[0] if ours else '')\n"

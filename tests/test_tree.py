@@ -33,7 +33,7 @@ import hf_eagle3.core.acceptance as acceptance
 import hf_eagle3.core.target_cache as target_cache
 import hf_eagle3.core.tree_drafter as tree_drafter
 import hf_eagle3.core.tree_policy as tree_policy
-from hf_eagle3 import cost_model, draft_length_policy
+from hf_eagle3.core import cost_model, draft_length_policy
 from hf_eagle3.core.draft_state import Eagle3DraftState
 from hf_eagle3.core.generate_hook import _ACTIVE
 

@@ -13,12 +13,20 @@ from __future__ import annotations
 import copy
 import json
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import assisted_continuations, cached_target, greedy, random_prompt, sampling_models, tiny_draft
-from conftest import plain_continuations, tiny_target, token_p_values
+from conftest import (
+    assisted_continuations,
+    cached_target,
+    greedy,
+    plain_continuations,
+    random_prompt,
+    sampling_models,
+    tiny_draft,
+    tiny_target,
+    token_p_values,
+)
 from test_core_loaders import (
     llama31_8b_config,
     native_from_state,
@@ -29,13 +37,14 @@ from test_core_loaders import (
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from hf_eagle3 import Eagle3CandidateGenerator, Eagle3Config, Eagle3DraftModel, Eagle3FeatureCapture
+from hf_eagle3.checkpoints.export import export_flat, export_speculators
 from hf_eagle3.core.config_layouts import config_dict_to_native
 from hf_eagle3.core.configuration_eagle3 import DraftConfigError
-from hf_eagle3.checkpoints.export import export_flat, export_speculators
 from hf_eagle3.core.draft_cache import Eagle3KVCache
+from hf_eagle3.loading import shipped_draft_path
 
 V, T = 256, 64
-SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "examples" / "drafts" / "smollm2-135m-eagle3"
+SHIPPED_DRAFT = shipped_draft_path()
 
 
 def small_config(**overrides) -> Eagle3Config:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from hf_eagle3.bench.strategies import TREE_SHAPES, build_strategies
+from hf_eagle3.core.cost_model import synchronize
 from hf_eagle3.loading import encode_prompt
 
 # Families that run on batches (prompt-lookup decoding is Transformers' assisted loop, batch 1 only).
@@ -79,7 +80,6 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
     eos = target.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     results, mismatches = [], []
     for size in batch_sizes:
         batches = [left_padded(encoded[i : i + size], pad) for i in range(0, len(encoded) - size + 1, size)]
@@ -94,11 +94,11 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
             reference = None
             for s in strategies:
                 kwargs = dict(s.generate_kwargs, assistant_model=draft) if s.uses_draft else dict(s.generate_kwargs)
-                sync()
+                synchronize(target.device)
                 start = time.perf_counter()
                 out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                                       **kwargs)
-                sync()
+                synchronize(target.device)
                 total = totals[s.name]
                 total["seconds"] += time.perf_counter() - start
                 rows = new_tokens(out, ids.shape[1], eos)

@@ -14,20 +14,24 @@ implementation can be measured on a GPU without downloading weights.
 
 from __future__ import annotations
 
-import datetime
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-import hf_eagle3
-from hf_eagle3.core.generate_hook import use_drafting
-from hf_eagle3.core.cost_model import measure_costs
-from hf_eagle3.bench.oracle_drafting import OracleCandidateGenerator, OracleTreeDrafter, bind_oracle, expected_tokens, parse_profile
+from hf_eagle3.bench.oracle_drafting import (
+    OracleCandidateGenerator,
+    OracleTreeDrafter,
+    bind_oracle,
+    expected_tokens,
+    parse_profile,
+)
 from hf_eagle3.bench.synthetic import synthetic_target
+from hf_eagle3.core.cost_model import measure_costs, synchronize
+from hf_eagle3.core.generate_hook import use_drafting
+from hf_eagle3.environment import environment_record
 
 
 class _ForwardTimer:
@@ -47,8 +51,7 @@ class _ForwardTimer:
         return sum(self.times[1:])
 
     def _sync(self):
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
+        synchronize(self.model.device)
 
     def __enter__(self):
         def pre(module, args, kwargs):
@@ -152,7 +155,6 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
         ms), ``identical`` and ``limited_by``.
     """
     device = target.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     draft.bind_target(target)
     warm = prompts[0][:, :16].to(device)
     target.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, do_sample=False)
@@ -182,10 +184,10 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
         ids = ids.to(device)
         mask = torch.ones_like(ids)
         with _ForwardTimer(target) as timer:
-            sync()
+            synchronize(device)
             start = time.perf_counter()
             ref = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
-            sync()
+            synchronize(device)
         add(totals["plain"], time.perf_counter() - start, ref.shape[1] - ids.shape[1], timer, len(timer.times))
         reference = ref[0].tolist()
         for name, kwargs, _, shape in strategies:
@@ -201,11 +203,11 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
             install = {"chain": Recording} if shape is None else {"tree": Recording}
             with use_drafting(**install), _ForwardTimer(target) as timer:
                 draft.reset_stats()
-                sync()
+                synchronize(device)
                 start = time.perf_counter()
                 out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                                       assistant_model=draft, **kwargs)
-                sync()
+                synchronize(device)
             stats = draft.last_stats
             total = totals[name]
             add(total, time.perf_counter() - start, out.shape[1] - ids.shape[1], timer, stats.num_target_forwards)
@@ -242,34 +244,19 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
         rows.append(row)
     best = max((r for r in rows if "bound" in r), key=lambda r: r["speedup"])
     share = best["bookkeeping_ms"] / best["round_ms"] if best["round_ms"] else None
-    param = next(target.parameters())
     return {
         "settings": {
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "profile": list(profile), "ks": list(ks), "tree_shapes": [list(t) for t in tree_shapes],
             "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
-            "prompt_tokens": [int(p.shape[1]) for p in prompts], "device": str(param.device),
-            "dtype": str(param.dtype), "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
-            "transformers_version": __import__("transformers").__version__, "platform": platform.platform(),
-            "cpu_flags": cpu_flags(), "gpu": torch.cuda.get_device_name(param.device) if param.is_cuda else None,
+            "prompt_tokens": [int(p.shape[1]) for p in prompts],
             "target_parameters": sum(p.numel() for p in target.parameters()),
-            "hf_eagle3_version": hf_eagle3.__version__,
+            **environment_record(target, draft_path=getattr(draft, "name_or_path", None)),
         },
         "costs": costs.to_dict(),
         "rows": rows,
         "identical": identical,
         "limited_by": limiting_resource(costs, target, share),
     }
-
-
-def cpu_flags() -> str:
-    """The CPU flags that decide fp32/bf16 speed (AVX2, AVX-512, bf16, AMX), from ``/proc/cpuinfo``."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return "unknown"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return " ".join(f for f in wanted if f in flags) or "none of " + ", ".join(wanted)
 
 
 def format_oracle_markdown(report: dict) -> str:
@@ -283,7 +270,7 @@ def format_oracle_markdown(report: dict) -> str:
     lines = [
         f"Oracle profile {' '.join(f'{p:.2f}' for p in s['profile'][:8])}; {s['num_prompts']} prompts, "
         f"{s['max_new_tokens']} new tokens, greedy; target {s['target_parameters'] / 1e6:.0f} M parameters, "
-        f"{s['dtype']} on {s['gpu'] or s['device']} (CPU flags: {s['cpu_flags']}), torch threads "
+        f"{s['target_dtype']} on {s['gpu'] or s['device']} (CPU: {s['cpu']}), torch threads "
         f"{s['torch_threads']}; {s['date']}",
         "",
         "| strategy | vs plain | cost-model bound | measured / bound | tokens per round | round ms | draft ms "
@@ -319,13 +306,13 @@ def oracle_command(args) -> int:
         0, or 1 when an output differs from plain ``generate``.
     """
     from hf_eagle3.bench.strategies import parse_tree_shapes
-    from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target, random_draft_for
+    from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target, parse_dtype, random_draft_for
 
     profile = parse_profile(args.oracle)
     ks = [int(k) for k in (args.ks or "1,2,3,4,5,6,7").split(",") if k.strip()]
     num_prompts = args.num_prompts or 4
     max_new_tokens = args.max_new_tokens or 64
-    dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
+    dtype = parse_dtype(args.dtype) or torch.float32
     if args.synthetic:
         target = synthetic_target(args.synthetic, dtype=dtype, device=args.device)
         vocab = target.config.vocab_size

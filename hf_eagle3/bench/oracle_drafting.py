@@ -13,8 +13,8 @@ import time
 import torch
 
 from hf_eagle3.core.candidate_generator import Eagle3CandidateGenerator
+from hf_eagle3.core.cost_model import synchronize
 from hf_eagle3.core.tree_drafter import Eagle3TreeDrafter
-
 
 PROFILES = {
     # Per-position acceptance of Llama-3.1-8B-Instruct with the EAGLE-3 authors' draft (chain, MT-bench; seed PR).
@@ -94,8 +94,7 @@ class OracleCandidateGenerator(Eagle3CandidateGenerator):
         self._accept = draw_acceptance(self.rng, self.profile)
         self._round_len = input_ids.shape[1]
         out = super().get_candidates(input_ids, **kwargs)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         self.draft_seconds += time.perf_counter() - start
         return out
 
@@ -133,8 +132,7 @@ class OracleTreeDrafter(Eagle3TreeDrafter):
     def _timed(self, method, *args, **kwargs):
         start = time.perf_counter()
         out = method(*args, **kwargs)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         self.draft_seconds += time.perf_counter() - start
         return out
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-import hf_eagle3
 from hf_eagle3 import Eagle3Stats
 from hf_eagle3.bench.report import format_markdown, write_outputs
 from hf_eagle3.bench.strategies import (
@@ -28,7 +27,7 @@ from hf_eagle3.bench.strategies import (
     parse_tree_shapes,
     register_strategy,
 )
-from hf_eagle3.core.cost_model import measure_target_seconds
+from hf_eagle3.core.cost_model import measure_target_seconds, synchronize
 from hf_eagle3.environment import environment_record
 from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target
 
@@ -105,7 +104,6 @@ def run_bench(
                                   tree_shapes=tuple(tree_shapes))
     modes = ["greedy"] + (["sampled"] if temperature and temperature > 0 else [])
     encoded = [encode_prompt(tokenizer, p).to(target.device) for p in prompts]
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
 
     for strategy in strategies:  # warm-up
         kwargs = dict(strategy.generate_kwargs)
@@ -132,10 +130,10 @@ def run_bench(
                     draft.reset_stats()
                 if mode == "sampled":
                     torch.manual_seed(seed + i)
-                sync()
+                synchronize(target.device)
                 start = time.perf_counter()
                 out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs)
-                sync()
+                synchronize(target.device)
                 seconds = time.perf_counter() - start
                 new = out[0, ids.shape[1]:].tolist()
                 total = totals[(mode, s.name)]

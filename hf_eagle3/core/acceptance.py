@@ -1,8 +1,6 @@
 """The acceptance step of a verification round, as pure functions: which drafted nodes the target accepts, which token
 it adds, and how many of those tokens stay once the length limit and EOS are applied. Shared by the tree loop
 (batch 1) and the batched loop (chains and trees).
-
-Core file: imports only torch.
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@ re-exports the draft class, so that ``AutoModel.from_pretrained(bundle, trust_re
 ``target.generate(ids, assistant_model=draft)`` runs EAGLE-3 decoding without ``hf_eagle3`` installed.
 
 (``modeling_eagle3.py`` holds the draft model only and imports no decoding module.)
-
-Core file (part of a remote-code bundle): imports only other core files.
 """
 
 from .generate_hook import install_generate_hook

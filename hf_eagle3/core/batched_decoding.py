@@ -10,22 +10,19 @@ entries moved to the right end, as left padding is). Rows that finish leave the 
 A chain is the tree with one child per node: the same loop drafts ``num_assistant_tokens`` tokens per row with the
 draft's most likely token at each step, and accepts them with the same walk (greedy: the target's choice; sampling:
 recursive rejection sampling, which keeps the target's distribution). See ``docs/batching.md``.
-
-Core file: imports only torch/transformers and the other core files.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from .acceptance import clip_new_tokens, walk_tree
 from .cost_model import Eagle3Costs, measure_costs, target_costs
 from .draft_length_policy import Eagle3DraftLengthPolicy
-from .settings import resolve_draft_settings
+from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
 from .stats import Eagle3Stats
 from .target_cache import batch_tree_mask, compact, decoding_cache, gather_entries, keep_rows, prefill, sliding_window
 from .transformers_compat import eos_token_ids
@@ -75,7 +72,7 @@ def _round_shape(call, draft) -> dict:
             "batches: pass assistant_confidence_threshold=0 (or num_assistant_tokens_schedule='auto', which chooses "
             "the draft length from the acceptance seen), or generate one row at a time."
         )
-    k = int(settings.get("num_assistant_tokens", 5))
+    k = int(settings.get("num_assistant_tokens", DEFAULT_DRAFT_LENGTH))
     return {"depth": k, "top_k": 1, "total": k, "auto": settings.get("num_assistant_tokens_schedule") == "auto"}
 
 

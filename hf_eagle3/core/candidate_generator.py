@@ -1,8 +1,6 @@
 """EAGLE-3 chain drafting as a Transformers ``CandidateGenerator`` (Transformers' assisted-decoding loop runs it).
 
 The ``generate`` hook that selects it lives in ``generate_hook.py``.
-
-Core file (part of a remote-code bundle): imports only torch/transformers and other core files.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from .draft_length_policy import Eagle3DraftLengthPolicy
 from .draft_state import Eagle3DraftState
 from .feature_capture import Eagle3OutputFeatures
 from .logits_process import Eagle3D2TLogitsProcessor
-from .settings import SCHEDULES
+from .settings import DEFAULT_DRAFT_LENGTH, SCHEDULES
 from .stats import Eagle3Stats
 
 
@@ -68,7 +66,7 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         input_ids: torch.LongTensor,
         generation_config: GenerationConfig,
         logits_processor=None,
-        num_assistant_tokens: int = 5,
+        num_assistant_tokens: int = DEFAULT_DRAFT_LENGTH,
         num_assistant_tokens_schedule: str = "constant",
         assistant_confidence_threshold: float | None = 0.0,
         target=None,

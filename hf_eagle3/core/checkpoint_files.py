@@ -1,7 +1,5 @@
 """Reading a draft checkpoint's files: local directory or Hub, single file or shards, safetensors or torch, and the
 renaming of published tensor names to ours.
-
-Core file (part of a remote-code bundle): imports only torch and transformers (safetensors inside a function).
 """
 
 from __future__ import annotations

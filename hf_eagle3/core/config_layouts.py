@@ -2,8 +2,6 @@
 vLLM's draft library; see :func:`~hf_eagle3.core.configuration_eagle3.detect_layout`): which of their fields hf-eagle3
 reads, which change the draft's math (an error when hf-eagle3 does not implement them), and the conversions to
 :class:`~hf_eagle3.core.configuration_eagle3.Eagle3Config` keyword arguments and back.
-
-Core file (part of a remote-code bundle): imports only the standard library and the core file ``configuration_eagle3``.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import warnings
 from typing import Any
 
 from .configuration_eagle3 import DraftConfigError, Eagle3Config, _is_positive_int, check_config_dict
-
+from .settings import DEFAULT_DRAFT_LENGTH
 
 _LAYER_TYPE_NAMES = ("full_attention", "sliding_attention")
 
@@ -309,7 +307,8 @@ def native_to_flat_config(config: Eagle3Config) -> dict[str, Any]:
     return out
 
 
-def native_to_speculators_config(config: Eagle3Config, num_speculative_tokens: int = 5) -> dict[str, Any]:
+def native_to_speculators_config(config: Eagle3Config,
+                                 num_speculative_tokens: int = DEFAULT_DRAFT_LENGTH) -> dict[str, Any]:
     """Return a `speculators`-layout ``config.json`` dict (as vLLM and speculators load) for ``config``.
 
     Layer ids are written as top-level ``eagle_aux_hidden_state_layer_ids`` (our convention: input of layer i);

@@ -1,8 +1,6 @@
 """Configuration of EAGLE-3 draft models, and the checks of a draft's ``config.json`` before it is read: valid
 JSON, the fields a draft needs, and which published layout it is in (:func:`detect_layout`). Converting the published
 layouts to and from :class:`Eagle3Config` is :mod:`hf_eagle3.core.config_layouts`.
-
-Core file: imports only torch/transformers, so it can be copied next to a checkpoint for ``trust_remote_code``.
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ A round that drafts ``k`` tokens costs one draft forward over the positions the 
 ran (the "feed", which also proposes the first token), ``k - 1`` further draft steps and a target forward over
 ``k + 1`` tokens. A round that drafts nothing is a plain target step (the feed is deferred to the next round that
 drafts). The policy that decides from these costs how much to draft is :mod:`hf_eagle3.core.draft_length_policy`.
-
-Core file (part of a remote-code bundle): imports only torch/transformers (and ``draft_cache`` inside a function).
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
 """The draft's key/value cache, and the sliding-window mask that reads the positions it keeps.
-
-Core file (part of a remote-code bundle): imports only torch.
 """
 
 from __future__ import annotations

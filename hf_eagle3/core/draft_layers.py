@@ -1,7 +1,5 @@
 """The layers of the EAGLE-3 draft: RMSNorm, the attention that reads ``cat(embedding, hidden)``, the gated MLP and
 the single decoder layer.
-
-Core file (part of a remote-code bundle): imports only torch, transformers and other core files.
 """
 
 from __future__ import annotations

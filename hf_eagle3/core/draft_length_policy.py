@@ -5,8 +5,6 @@ that draft token ``j`` is accepted given that the ones before it were (:class:`E
 the rounds so far). :class:`Eagle3DraftLengthPolicy` picks the ``k`` with the most expected tokens per second under
 the measured round costs (:class:`~hf_eagle3.core.cost_model.Eagle3Costs`); when no ``k`` pays it drafts nothing, with
 probe rounds (:class:`ProbeSchedule`) to notice when drafting pays again.
-
-Core file (part of a remote-code bundle): imports only the core file ``cost_model``.
 """
 
 from __future__ import annotations

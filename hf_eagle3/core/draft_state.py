@@ -5,8 +5,6 @@ each target forward the verified part of its features is taken from the capture 
 and kept pending; the next round that drafts first feeds the pending positions to the draft
 (:meth:`Eagle3DraftState.feed`), after dropping the draft's speculative cache entries of the previous round. Rounds
 that draft nothing leave the positions pending, so one later feed covers them all.
-
-Core file (part of a remote-code bundle): imports only torch and other core files.
 """
 
 from __future__ import annotations

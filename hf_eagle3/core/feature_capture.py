@@ -1,6 +1,6 @@
 """Capture the target's hidden states that feed an EAGLE-3 draft, with forward pre-hooks.
 
-Core file: imports only torch/transformers. Feature i is the INPUT of decoder layer i (``output_hidden_states[i]``),
+Feature i is the INPUT of decoder layer i (``output_hidden_states[i]``),
 so any decoder whose layer list can be found works without changing its code.
 """
 

@@ -6,8 +6,6 @@
 
 :func:`install_generate_hook` installs the three patches (idempotent); the package's ``__init__`` calls it, and so
 does ``auto_entry.py``, the module a remote-code bundle's ``AutoModel`` loads.
-
-Core file (part of a remote-code bundle): imports only torch/transformers and other core files.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from . import transformers_compat as compat
 from .batched_decoding import eagle3_batched_decoding
 from .candidate_generator import Eagle3CandidateGenerator
 from .feature_capture import Eagle3FeatureCapture, Eagle3OutputFeatures, find_decoder_layers
-from .settings import pop_tree_settings, resolve_draft_settings, user_draft_settings
+from .settings import DEFAULT_DRAFT_LENGTH, pop_tree_settings, resolve_draft_settings, user_draft_settings
 from .target_cache import cache_entry
 from .tree_decoding import eagle3_tree_decoding
 from .tree_drafter import Eagle3TreeDrafter
@@ -220,7 +218,7 @@ def _eagle3_get_candidate_generator(original):
             bound.arguments["input_ids"],
             generation_config,
             bound.arguments.get("logits_processor"),
-            num_assistant_tokens=settings.get("num_assistant_tokens", 5),
+            num_assistant_tokens=settings.get("num_assistant_tokens", DEFAULT_DRAFT_LENGTH),
             num_assistant_tokens_schedule=settings.get("num_assistant_tokens_schedule", "constant"),
             assistant_confidence_threshold=settings.get("assistant_confidence_threshold", 0.0),
             target=self,

@@ -1,6 +1,4 @@
 """Logits processing for EAGLE-3 drafts: map draft-vocabulary scores onto the target vocabulary.
-
-Core file: imports only torch/transformers.
 """
 
 from __future__ import annotations

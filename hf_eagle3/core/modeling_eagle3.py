@@ -1,7 +1,6 @@
 """The EAGLE-3 draft model and its loading from the published checkpoint layouts.
 
-Core file: imports only torch/transformers and the other core files, so it can be copied next to a checkpoint for
-``trust_remote_code``. It imports no decoding module: the ``generate`` hook is installed by the package's
+It imports no decoding module: the ``generate`` hook is installed by the package's
 ``__init__`` or, in a remote-code bundle, by ``auto_entry.py`` (see ``generate_hook.py``).
 """
 
@@ -24,7 +23,6 @@ from .draft_cache import Eagle3KVCache
 from .draft_layers import Eagle3DecoderLayer, Eagle3RMSNorm
 from .rope import rope_attention_scaling, rope_inv_freq
 from .settings import SAVED_DRAFT_SETTINGS
-
 
 
 @dataclass

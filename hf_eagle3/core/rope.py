@@ -1,6 +1,5 @@
 """Rotary position embeddings of the EAGLE-3 draft: inverse frequencies, scalings and partial rotation.
 
-Core file: imports only torch/transformers, so it can be copied next to a checkpoint for ``trust_remote_code``.
 The draft's RoPE comes from the DRAFT's config (``rope_theta``, ``draft_rope_scaling``, ``partial_rotary_factor``),
 never from the target's.
 """

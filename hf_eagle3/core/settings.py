@@ -1,7 +1,7 @@
 """The drafting settings of a ``generate`` call: the names, their defaults, how the draft's saved values and those
 given to ``generate`` combine, and their validation.
 
-Core file (part of a remote-code bundle): imports only transformers and the standard library, nothing of ours.
+Imports only transformers and the standard library.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from transformers import GenerationConfig
 # Chain drafting: draft length and its schedule (Transformers' own names for assisted decoding).
 DRAFT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 SCHEDULES = ("constant", "heuristic", "heuristic_transient", "auto")
+# Tokens drafted per round when neither the call nor the draft says (a fixed chain), and the draft length that
+# tools (``check``, ``evaluate``, the speculators export) measure or write by default.
+DEFAULT_DRAFT_LENGTH = 5
 # Tree drafting (see docs/trees.md): given to ``generate`` or saved on the draft's generation config.
 TREE_SETTINGS = ("tree_total_tokens", "tree_depth", "tree_top_k")
 TREE_DEFAULTS = {"tree_total_tokens": 16, "tree_depth": 5, "tree_top_k": 4}

@@ -1,7 +1,5 @@
 """Acceptance statistics of EAGLE-3 decoding (chain and tree), as published on the draft after each ``generate`` call
 (``draft.last_stats`` / ``draft.cumulative_stats``).
-
-Core file (part of a remote-code bundle): imports only the standard library.
 """
 
 from __future__ import annotations

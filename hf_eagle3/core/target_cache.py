@@ -1,7 +1,5 @@
 """The target's KV cache during tree decoding: which caches a tree round can roll back, the gather that keeps only the
 accepted path, and the 4D attention masks of a tree forward (each node sees the cached prefix and its ancestors).
-
-Core file (part of a remote-code bundle): imports only torch and transformers.
 """
 
 from __future__ import annotations

@@ -11,8 +11,6 @@ methods (:func:`wrap_generation_method`). What Transformers offers publicly is u
   (:data:`SELECTS_HIDDEN_STATES`) the drafter takes its features from them instead of forward hooks;
 - ``num_drafting_tokens`` (5.25+): sizes the history of recurrent states a hybrid target keeps for the roll-back
   (:data:`ROLLS_BACK_RECURRENT_STATES`).
-
-Core file (part of a remote-code bundle): imports only torch and transformers.
 """
 
 from __future__ import annotations

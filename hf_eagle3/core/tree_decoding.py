@@ -11,8 +11,6 @@ verified positions, draft a tree), :meth:`~_TreeLoop.verify` (one target forward
 :meth:`~_TreeLoop.accept` (:func:`~hf_eagle3.core.acceptance.walk_tree` and
 :func:`~hf_eagle3.core.acceptance.clip_new_tokens`) and :meth:`~_TreeLoop.commit` (keep the accepted path in the target's
 cache, hand its features to the draft, extend the outputs).
-
-Core file (part of a remote-code bundle): imports only torch/transformers and other core files.
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ from .acceptance import TreeWalk, clip_new_tokens, walk_tree
 from .cost_model import synchronize, target_costs
 from .stats import Eagle3Stats
 from .target_cache import decoding_cache, gather_cache, prefill, tree_attention_mask
-from .tree_drafter import DraftTree, Eagle3TreeDrafter
 from .transformers_compat import eos_token_ids
+from .tree_drafter import DraftTree, Eagle3TreeDrafter
 from .tree_policy import AUTO_SIZES, TreeSizeChooser
 
 

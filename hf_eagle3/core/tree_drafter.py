@@ -1,7 +1,5 @@
 """EAGLE-2-style dynamic draft trees drafted with an EAGLE-3 draft: :class:`Eagle3TreeDrafter` grows candidates
 level by level and keeps the best ones as a :class:`DraftTree`.
-
-Core file (part of a remote-code bundle): imports only torch and other core files.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """How big a tree to draft each round for ``tree_total_tokens="auto"``: :class:`TreeSizeChooser` weighs the expected
 accepted tokens of the draft's best candidates against the measured cost of verifying them.
-
-Core file (part of a remote-code bundle): imports only torch and other core files.
 """
 
 from __future__ import annotations

