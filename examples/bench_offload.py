@@ -10,8 +10,10 @@ MT-bench prompts (turn 1, chat template), checks that both outputs are identical
 
 Example::
 
-    OMP_NUM_THREADS=1 python examples/bench_offload.py --dataset ../shared/data/eval/mt_bench.jsonl \\
+    OMP_NUM_THREADS=1 python examples/bench_offload.py --dataset mt_bench.jsonl \\
         --num-prompts 4 --max-new-tokens 64 --in-memory --json offload.json
+
+``mt_bench.jsonl`` is FastChat's MT-bench ``question.jsonl``; without ``--dataset`` built-in prompts are used.
 
 Without ``--draft`` the draft is ``$HF_EAGLE3_DRAFT``, else ``examples/drafts/smollm2-135m-eagle3``, else a random
 draft (its acceptance length is about 1, so it shows the overhead, not a speed-up).

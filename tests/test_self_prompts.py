@@ -1,4 +1,4 @@
-"""Issue 12: prompts written by the target itself (Magpie), ``hf-eagle3 prepare --self-prompts N``: seeded,
+"""Prompts written by the target itself (Magpie), ``hf-eagle3 prepare --self-prompts N``: seeded,
 deduplicated (also against the file being continued), kept apart from the evaluation set, degenerate ones dropped."""
 
 from __future__ import annotations

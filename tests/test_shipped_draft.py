@@ -10,17 +10,15 @@ import hf_eagle3
 ROOT = Path(__file__).resolve().parents[1]
 DRAFT = ROOT / "examples" / "drafts" / "smollm2-135m-eagle3"
 
-# These 3 prompts x 48 tokens give a mean acceptance length of 1.74 with the shipped draft (session 18, 80 rounds;
-# earlier, 1.70 with session 16's, 1.60 with session 13's, 1.64 with session 11's, 1.62 with session 10's, 1.58 with
-# session 9's, 1.58 with session 8's, 1.46 with session 7's, 1.49 with session 6's, 1.48 with session 5's, 1.44 with
-# session 3's, 1.37 with session 2's, 1.35 with session 1's: three short answers are a noisy sample, a round or two
-# either way; 2.003 on all 80 MT-bench turn-1 questions at 256 tokens, against 1.985 for session 16's, see the draft's
-# README.md); a random draft gives 1.00. The floor guards that the shipped weights really draft, with a margin for
-# other CPUs' float32 rounding.
+# In float32, these 3 prompts x 48 tokens give the shipped draft a mean acceptance length of 1.74 (80 rounds); a
+# random draft gives 1.00. Three short answers are a noisy sample, a round or two either way (on all 80 MT-bench
+# turn-1 questions at 256 tokens the draft reaches 2.003, see its README.md). The floor guards that the shipped
+# weights really draft, with a margin for other CPUs' float32 rounding.
 ACCEPTANCE_FLOOR = 1.66
 
 
-# The first three MT-bench questions (turn 1), written out so that the test does not depend on ../shared.
+# The first three MT-bench questions (turn 1 of FastChat's question.jsonl), written out so that the test needs no
+# data file.
 PROMPTS = [
     "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and "
     "must-see attractions.",

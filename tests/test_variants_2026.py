@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft variants published in 2026 (issue 11), each proven against a direct computation.
+"""The EAGLE-3 draft variants published in 2026, each proven against a direct computation.
 
 Synthetic checkpoints carry the config fields the producers publish (speculators' EAGLE 3.1 defaults, ModelOpt's
 nested ``eagle_config``, drafts without ``lm_head``, Transformers-5 RoPE shapes); every test fails when the field is

@@ -309,8 +309,8 @@ def register(subparsers) -> None:
                    help="JSONL the self-written prompts go to; a rerun continues it (default: OUT/self_prompts.jsonl)")
     p.add_argument("--exclude-prompts", default=None,
                    help="JSONL of evaluation prompts ({turns: [...]} or {prompt}) no self-written prompt may equal "
-                   "or share a 50-character span with; pass ../shared/data/eval/mt_bench.jsonl when you measure on "
-                   "MT-bench (default: none)")
+                   "or share a 50-character span with; pass your MT-bench question.jsonl when you measure on MT-bench "
+                   "(default: none)")
     p.add_argument("--self-prompt-temperature", type=float, default=1.0,
                    help="sampling temperature of the self-written prompts (default 1.0)")
     p.add_argument("--num-shards", type=int, default=None,

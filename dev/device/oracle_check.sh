@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check of hf-eagle3's decoding (one GPU, no network, well under 10 minutes): `hf-eagle3 bench --oracle` on a
-# random-weight target of Llama-3.1-8B's shape in bfloat16 with the seed's acceptance profile and a draft of the
-# published draft's shape (hidden 4096, draft vocabulary 32k), chains k = 1..7, "auto" and two trees. Writes
-# oracle.md (the table for docs/benchmarks.md) and oracle.json to $OUT (default bench_out/gpu).
+# random-weight target of Llama-3.1-8B's shape in bfloat16 with the llama3-8b acceptance profile (the EAGLE-3
+# authors' draft for Llama-3.1-8B-Instruct on MT-bench) and a draft of the published draft's shape (hidden 4096,
+# draft vocabulary 32k), chains k = 1..7, "auto" and two trees. Writes oracle.md (the table for docs/benchmarks.md)
+# and oracle.json to $OUT (default bench_out/gpu).
 #
 # The machine needs torch with CUDA and transformers >= 5.20 (see pyproject.toml). When it has an older transformers,
-# bring the wheel along: run examples/gpu/fetch_wheels.sh here first, carry .whl, and this script installs it.
+# bring the wheel along: run dev/device/fetch_wheels.sh here first, carry .whl, and this script installs it.
 #
-# Test it at small scale on a CPU:  SHAPE=tiny DEVICE=cpu DTYPE=float32 PROMPTS=1 NEW=16 bash examples/gpu/oracle_check.sh
+# Test it at small scale on a CPU:  SHAPE=tiny DEVICE=cpu DTYPE=float32 PROMPTS=1 NEW=16 bash dev/device/oracle_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench_out/gpu}

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Join the pieces examples/gpu/train_draft.sh wrote to $OUT (model.safetensors.part-*, draft_meta.tar with config.json,
-# generation_config.json, training_summary.json, train_log.jsonl and SHA256SUMS, and log.txt; runs before session 18
-# wrote the small files loose) into a draft directory, check it, and print the command that measures it on MT-bench.
+# Join the pieces dev/device/train_draft.sh wrote to $OUT (model.safetensors.part-*, draft_meta.tar with config.json,
+# generation_config.json, training_summary.json, train_log.jsonl and SHA256SUMS, and log.txt; the small files may also
+# lie loose beside the parts) into a draft directory, check it, and print the command that measures it on MT-bench.
 #
-#   bash examples/gpu/unpack_draft.sh FILES_DIR [DRAFT_DIR]     (DRAFT_DIR default: runs/gpu-draft, git-ignored)
+#   bash dev/device/unpack_draft.sh FILES_DIR [DRAFT_DIR]     (DRAFT_DIR default: runs/gpu-draft, git-ignored)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SRC=${1:?usage: unpack_draft.sh FILES_DIR [DRAFT_DIR]}
@@ -32,7 +32,8 @@ if s.exists():
 PY
 cat <<EOF
 
-Measure it (greedy, k = 5, MT-bench turn 1; compare with examples/drafts/smollm2-135m-eagle3):
-  python examples/offline_inference_eagle3.py --dataset ../shared/data/eval/mt_bench.jsonl --num_spec_tokens 5 \\
+Measure it (greedy, k = 5, MT-bench turn 1 of FastChat's question.jsonl, here mt_bench.jsonl; compare with
+examples/drafts/smollm2-135m-eagle3):
+  python examples/offline_inference_eagle3.py --dataset mt_bench.jsonl --num_spec_tokens 5 \\
       --max_new_tokens 256 --draft $DST
 EOF

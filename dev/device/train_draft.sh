@@ -3,8 +3,8 @@
 # answer prompts with the target (features captured during generation), train the draft on them starting from
 # examples/drafts/smollm2-135m-eagle3, and write the trained draft to $OUT in pieces under 16 MiB.
 #
-# Needs what examples/gpu/pack_target.sh put in .gpu_carry/ (N calls: p1 .. pN; see docs/training.md, "On a GPU
-# in one 10-minute run"). Stages, each timed from the script's start (wall budget MINUTES, default 8.5):
+# Needs what dev/device/pack_target.sh put in .gpu_carry/ (N calls: p1 .. pN; see dev/device/README.md). Stages,
+# each timed from the script's start (wall budget MINUTES, default 8.5):
 #   0. install the carried wheels (transformers of this checkout, gguf) into $WORK/site; reassemble and check the GGUF
 #   1. convert the GGUF once to a float32 safetensors directory (hf_eagle3.smollm2, cached in $WORK/cache)
 #   2. `hf-eagle3 prepare --features-dir` in the background, stopped at PREPARE_UNTIL minutes (or when all prompts
@@ -13,11 +13,11 @@
 #   3. `hf-eagle3 train --skip-features --init-draft ...` for what is left of MINUTES less RESERVE minutes
 #   4. the draft into $OUT: model.safetensors in 15 MiB parts, draft_meta.tar (config.json, generation_config.json,
 #      training_summary.json, train_log.jsonl, SHA256SUMS) and log.txt, within the 8 files a `run` call brings back
-#      (checked before stage 0 from the initial draft's size); examples/gpu/unpack_draft.sh joins them
+#      (checked before stage 0 from the initial draft's size); dev/device/unpack_draft.sh joins them
 #
 # Test at small scale on a CPU (uses ./.venv's python if PYTHON says so):
 #   OMP_NUM_THREADS=1 PYTHON=.venv/bin/python DEVICE=cpu PROMPTS=16 NEW_TOKENS=16 BATCH=8 MINUTES=4 \
-#     WORK=$(mktemp -d) OUT=$(mktemp -d) bash examples/gpu/train_draft.sh
+#     WORK=$(mktemp -d) OUT=$(mktemp -d) bash dev/device/train_draft.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 T0=$(date +%s.%N)
@@ -81,11 +81,11 @@ stage "start: DEVICE=$DEVICE MINUTES=$MINUTES PREPARE_UNTIL=$PREPARE_UNTIL RESER
 
 # 0. wheels and target
 L=$(dirname "$(ls "$C"/p*/PARTS 2>/dev/null | head -1)")   # the last call's folder: PARTS, SHA256SUMS, wheels, prompts
-[ -f "$L/PARTS" ] || { echo "missing $C/p*/PARTS: run examples/gpu/pack_target.sh here and make its calls" >&2; exit 3; }
+[ -f "$L/PARTS" ] || { echo "missing $C/p*/PARTS: run dev/device/pack_target.sh here and make its calls" >&2; exit 3; }
 parts=()
 while read -r rel; do parts+=("$C/$rel"); done < "$L/PARTS"
 for p in "${parts[@]}" "$L/SHA256SUMS" "$L/prompts.jsonl.gz"; do
-  [ -f "$p" ] || { echo "missing $p: the calls of examples/gpu/pack_target.sh must come back to back (the" \
+  [ -f "$p" ] || { echo "missing $p: the calls of dev/device/pack_target.sh must come back to back (the" \
     "machine keeps carried files only while warm); start again at call 1" >&2; exit 3; }
 done
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
