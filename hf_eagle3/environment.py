@@ -14,6 +14,23 @@ import torch
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
+def _cpuinfo(path: str | os.PathLike) -> tuple[str, set[str]] | None:
+    """The first ``model name`` and ``flags`` lines of a ``cpuinfo`` file, read once; ``None`` when unreadable."""
+    model, flags = "", None
+    try:
+        with open(path) as f:
+            for line in f:
+                if not model and line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                elif flags is None and line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                if model and flags is not None:
+                    break
+    except OSError:
+        return None
+    return (model, flags) if flags is not None else None
+
+
 def cpu_flags(path: str | os.PathLike = "/proc/cpuinfo") -> set[str] | None:
     """The CPU feature flags the kernel reports.
 
@@ -23,14 +40,8 @@ def cpu_flags(path: str | os.PathLike = "/proc/cpuinfo") -> set[str] | None:
     Returns:
         The flags of the first ``flags`` line, or ``None`` when the file cannot be read (not Linux).
     """
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        return None
-    return None
+    info = _cpuinfo(path)
+    return None if info is None else info[1]
 
 
 def cpu_description(path: str | os.PathLike = "/proc/cpuinfo") -> str:
@@ -42,15 +53,10 @@ def cpu_description(path: str | os.PathLike = "/proc/cpuinfo") -> str:
     Returns:
         e.g. ``"AMD EPYC 9B14 | avx2 avx512f avx512_bf16"``; the platform's processor name where the file is missing.
     """
-    flags = cpu_flags(path)
-    if flags is None:
+    info = _cpuinfo(path)
+    if info is None:
         return platform.processor() or platform.machine()
-    model = ""
-    with open(path) as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+    model, flags = info
     wanted = " ".join(f for f in CPU_FLAGS if f in flags) or "none of " + ", ".join(CPU_FLAGS)
     return f"{model} | {wanted}" if model else wanted
 
