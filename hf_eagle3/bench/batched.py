@@ -58,8 +58,9 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
     Args:
         target: the target model.
         draft: the EAGLE-3 draft.
-        tokenizer: the target's tokenizer (chat template when it has one).
-        prompts (`list[str]`): the user messages; batches are consecutive slices.
+        tokenizer: the target's tokenizer (chat template when it has one); ``None`` when ``prompts`` are ids.
+        prompts (`list[str]` or `list[torch.LongTensor]`): the user messages, or prompt ids ``[1, L_i]`` (padded
+            with id 0 when no tokenizer is given); batches are consecutive slices.
         batch_sizes (`tuple[int]`): rows per ``generate`` call.
         max_new_tokens (`int`): new tokens per row (a row may end earlier at EOS).
         ks (`tuple[int]`): draft lengths of the chain family.
@@ -76,7 +77,7 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
     if "plain" not in families:
         families = ["plain"] + families
     strategies = build_strategies(ks, families, tree_shapes=tuple(tree_shapes))
-    encoded = [encode_prompt(tokenizer, p).to(target.device) for p in prompts]
+    encoded = [(p if isinstance(p, torch.Tensor) else encode_prompt(tokenizer, p)).to(target.device) for p in prompts]
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
     eos = target.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
