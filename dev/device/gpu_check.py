@@ -139,10 +139,11 @@ def oracle_bf16(args):
     target = synthetic_target(shape, dtype=torch.bfloat16, device=args.device)
     vocab = target.config.vocab_size
     draft = random_draft_for(target, draft_vocab_size=min(32000, vocab))
-    prompts = random_prompts(vocab, [256] * (1 if args.small else 3))
+    prompts = random_prompts(vocab, [256] * (1 if args.small else args.oracle_prompts))
     with torch.no_grad():
         report = run_oracle_bench(target, draft, prompts, parse_profile("llama3-8b"),
-                                  ks=(1, 2, 3, 4, 5, 6, 7), max_new_tokens=16 if args.small else 128,
+                                  ks=tuple(int(k) for k in args.ks.split(",")),
+                                  max_new_tokens=16 if args.small else args.oracle_new_tokens,
                                   tree_shapes=((4, 4, 8), (8, 6, 32), (4, 5, "auto")))
     check.identical &= report["identical"]
     return report, format_oracle_markdown(report)
@@ -156,12 +157,12 @@ def batched_bf16(args):
     draft = random_draft_for(target, draft_vocab_size=min(32000, vocab))
     prompts = random_prompts(vocab, [256 - 8 * i for i in range(8)], seed=2)
     reports = []
-    for size in (1, 2, 4, 8):
+    for size in (int(b) for b in args.batch_sizes.split(",")):
         if check.left() < 20:
             break
         with torch.no_grad():
             reports.append(run_batched_bench(target, draft, None, prompts[:size], batch_sizes=(size,),
-                                             max_new_tokens=16 if args.small else 48, ks=(3,),
+                                             max_new_tokens=16 if args.small else args.batch_new_tokens, ks=(3,),
                                              tree_shapes=((4, 4, 8),), progress=True))
     report = {"results": [r for rep in reports for r in rep["results"]],
               "greedy_identical": all(rep["greedy_identical"] for rep in reports),
@@ -182,6 +183,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_out/gpu_check")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds for all stages (default 420)")
     parser.add_argument("--small", action="store_true", help="toy sizes (a CPU test of the script)")
+    parser.add_argument("--oracle-prompts", type=int, default=2, help="prompts of the bf16 oracle stage (default 2)")
+    parser.add_argument("--oracle-new-tokens", type=int, default=64, help="new tokens per oracle prompt (default 64)")
+    parser.add_argument("--ks", default="1,2,3,4,5,6,7", help="chain lengths of the bf16 oracle stage")
+    parser.add_argument("--batch-sizes", default="1,2,4,8", help="batch sizes of the bf16 batched stage")
+    parser.add_argument("--batch-new-tokens", type=int, default=48, help="new tokens per row, batched stage")
     parser.add_argument("--stages", default="identity,oracle_bf16,batched_bf16")
     args = parser.parse_args(argv)
     check = Check(args)
