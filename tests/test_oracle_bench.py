@@ -88,3 +88,19 @@ def test_cli_oracle_writes_the_report(tmp_path, capsys):
     assert "measured / bound" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--oracle"):
         main(["bench", "--synthetic", "tiny", "--out-dir", str(tmp_path)])
+
+
+def test_decisive_synthetic_target_keeps_the_oracle_on_path_in_bfloat16():
+    """In bfloat16 the oracle's reference (one-token forwards) must stay the path that verification takes: the
+    decisive target decodes exactly as plain ``generate`` and accepts what the same target accepts in float32."""
+    per_round = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        target = synthetic_target("tiny", dtype=dtype, decisive=True)
+        draft = random_draft_for(target, draft_vocab_size=256)
+        generator = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(1, 512, (1, 48), generator=generator) for _ in range(2)]
+        report = run_oracle_bench(target, draft, prompts, PROFILES["llama3-8b"], ks=(3,), max_new_tokens=64,
+                                  auto=False, tree_shapes=(), progress=False)
+        assert report["identical"], dtype
+        per_round[dtype] = report["rows"][1]["tokens_per_round"]
+    assert per_round[torch.bfloat16] == per_round[torch.float32] > 1.5

@@ -6,7 +6,8 @@ Stages, in order of importance (each is skipped, and says so, when the budget le
    shapes): under the oracle (the seed's Llama-3.1-8B acceptance profile) chains k = 3 and 5, ``"auto"``, a tree and
    a tree with ``"auto"`` size, each compared token for token with plain ``generate``; then ragged left-padded
    batches of 2, 4 and 8 rows with a random draft (chain, ``"auto"``, tree) against plain batched ``generate``.
-2. ``oracle_bf16``: bfloat16, a random-weight target of Llama-3.1-8B's shape with a draft of the published draft's
+2. ``oracle_bf16``: bfloat16, a random-weight target of Llama-3.1-8B's shape (``decisive``: its greedy
+   continuation survives bfloat16 rounding, see :func:`hf_eagle3.bench.synthetic.synthetic_target`) with a draft of the published draft's
    shape (draft vocabulary 32k), the oracle's speed-ups for chains k = 1..7, ``"auto"`` and three trees.
 3. ``batched_bf16``: the same target in bfloat16 on batches of 1, 2, 4 and 8 rows with a random draft (nothing is
    accepted): the decoding loop's cost per round against plain batched ``generate``.
@@ -136,7 +137,7 @@ def identity(args):
 def oracle_bf16(args):
     """Stage 2: the oracle's speed-ups on a Llama-3.1-8B-shaped target in bfloat16."""
     shape = "tiny" if args.small else "llama-3.1-8b"
-    target = synthetic_target(shape, dtype=torch.bfloat16, device=args.device)
+    target = synthetic_target(shape, dtype=torch.bfloat16, device=args.device, decisive=True)
     vocab = target.config.vocab_size
     draft = random_draft_for(target, draft_vocab_size=min(32000, vocab))
     prompts = random_prompts(vocab, [256] * (1 if args.small else args.oracle_prompts))
@@ -152,7 +153,7 @@ def oracle_bf16(args):
 def batched_bf16(args):
     """Stage 3: batches of 1-8 rows in bfloat16 with a random draft (the loop's cost per round), one batch per size."""
     shape = "tiny" if args.small else "llama-3.1-8b"
-    target = synthetic_target(shape, dtype=torch.bfloat16, device=args.device)
+    target = synthetic_target(shape, dtype=torch.bfloat16, device=args.device, decisive=True)
     vocab = target.config.vocab_size
     draft = random_draft_for(target, draft_vocab_size=min(32000, vocab))
     prompts = random_prompts(vocab, [256 - 8 * i for i in range(8)], seed=2)

@@ -314,12 +314,15 @@ def oracle_command(args) -> int:
     max_new_tokens = args.max_new_tokens or 64
     dtype = parse_dtype(args.dtype) or torch.float32
     if args.synthetic:
-        target = synthetic_target(args.synthetic, dtype=dtype, device=args.device)
+        # Below float32 a random-weight target's near-ties would take decoding off the oracle's reference path.
+        decisive = dtype != torch.float32
+        target = synthetic_target(args.synthetic, dtype=dtype, device=args.device, decisive=decisive)
         vocab = target.config.vocab_size
         generator = torch.Generator().manual_seed(args.seed)
         prompts = [torch.randint(0, vocab, (1, args.prompt_tokens), generator=generator) for _ in range(num_prompts)]
         draft = random_draft_for(target, draft_vocab_size=min(args.draft_vocab_size, vocab))
-        target_name, draft_name = f"synthetic {args.synthetic} (random weights)", "random draft"
+        target_name = f"synthetic {args.synthetic} (random weights{', decisive' if decisive else ''})"
+        draft_name = "random draft"
     else:
         target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
         draft, draft_name, _ = load_draft(args.draft, target)

@@ -24,15 +24,25 @@ SYNTHETIC = {
 }
 
 
-def synthetic_target(name: str, dtype=torch.float32, device: str | None = None, seed: int = 0):
+def synthetic_target(name: str, dtype=torch.float32, device: str | None = None, seed: int = 0,
+                     decisive: bool = False):
     """
     A random-weight causal LM of a published shape (:data:`SYNTHETIC`), built directly on ``device``.
+
+    A random-weight model's next-token logits are nearly flat, so in bfloat16 the argmax of a several-token
+    verification forward often differs from the one-token forwards' (rounding decides near-ties): the oracle's
+    reference continuation then leaves the path that decoding takes, and acceptance collapses. ``decisive=True``
+    keeps every weight shape and cost but makes the greedy continuation unmistakable: each layer's output projections
+    are scaled by 1e-3, so that the residual stream stays close to the input token's embedding, and the output head is
+    the embedding matrix, so that the next token is the current one by a wide margin (the continuation repeats the
+    last prompt token).
 
     Args:
         name (`str`): a key of :data:`SYNTHETIC`.
         dtype (`torch.dtype`): weight dtype.
         device (`str`, *optional*): where to build it (default CPU).
         seed (`int`): seed of the random weights.
+        decisive (`bool`): make the greedy continuation robust to rounding (see above).
     """
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
@@ -43,6 +53,13 @@ def synthetic_target(name: str, dtype=torch.float32, device: str | None = None, 
     torch.manual_seed(seed)
     with torch.device(device or "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if decisive:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(1e-3)
+                layer.mlp.down_proj.weight.mul_(1e-3)
+            if model.lm_head.weight is not model.model.embed_tokens.weight:
+                model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
