@@ -24,6 +24,7 @@ from .cost_model import Eagle3Costs, measure_costs, target_costs
 from .draft_length_policy import Eagle3DraftLengthPolicy
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
 from .stats import Eagle3Stats
+from .stopping import HostStopping
 from .target_cache import batch_tree_mask, compact, decoding_cache, gather_entries, keep_rows, prefill, sliding_window
 from .transformers_compat import eos_token_ids
 from .tree_drafter import DraftTree, Eagle3TreeDrafter
@@ -222,6 +223,7 @@ class _BatchLoop:
                                            getattr(self.draft_model, "_draft_length_state", None))
             self.capture.clear()  # the timing forwards (once per target and batch size) went through the hooks
         self.stopping_criteria = stopping_criteria
+        self.host_stopping = HostStopping.of(stopping_criteria)
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
         self.eos = eos_token_ids(generation_config)
@@ -338,7 +340,9 @@ class _BatchLoop:
         remaining = []
         for row in self.rows:
             done = row.ids[-1] in self.eos or len(row.ids) >= self.max_length
-            if not done:
+            if not done and self.host_stopping is not None:
+                done = self.host_stopping.done(len(row.ids), row.ids[-1])
+            elif not done:  # a criterion the host cannot decide
                 ids = torch.tensor([row.ids], dtype=torch.long, device=self.device)
                 done = bool(self.stopping_criteria(ids, None).all())
             if done:

@@ -23,6 +23,7 @@ import torch
 from .acceptance import TreeWalk, clip_new_tokens, walk_tree
 from .cost_model import synchronize, target_costs
 from .stats import Eagle3Stats
+from .stopping import HostStopping
 from .target_cache import decoding_cache, gather_cache, prefill, tree_attention_mask
 from .transformers_compat import eos_token_ids
 from .tree_drafter import DraftTree, Eagle3TreeDrafter
@@ -112,6 +113,16 @@ class _TreeLoop:
         position_ids = model_kwargs.get("position_ids")
         self.position_offset = 0 if position_ids is None else int(position_ids[0, -1]) - (input_ids.shape[1] - 1)
         self.chooser = None
+        self.host_stopping, self.last_token = False, None  # set on the first check, after the prefill's token
+
+    def finished(self, stopping_criteria) -> bool:
+        """Whether generation stops after this round: on the host for the default criteria (no device sync), else by
+        calling ``stopping_criteria`` on the sequence."""
+        if self.host_stopping is False:
+            self.host_stopping = HostStopping.of(stopping_criteria)
+        if self.host_stopping is not None:
+            return self.host_stopping.done(self.input_ids.shape[1], self.last_token)
+        return bool(stopping_criteria(self.input_ids, self.scores_out).all())
 
     # ------------------------------------------------------------------------------------------------------ steps
     def _pick(self, seq: torch.LongTensor, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -127,6 +138,7 @@ class _TreeLoop:
         self.cache.crop(0)  # sliding layers back to their window
         token, processed = self._pick(self.input_ids, last)
         self._extend([token], [processed], [last])
+        self.last_token = token
         self.stats.record(0, 0)
         self.drafter.state.collect(self.capture, self.input_ids[0, 1:])  # every prompt position is verified
 
@@ -235,6 +247,7 @@ class _TreeLoop:
         new = torch.tensor([new_tokens], dtype=self.input_ids.dtype, device=self.device)
         self.drafter.state.collect(self.capture, new[0], keep=keep)
         self._extend(new, walk.scores[: len(new_tokens)], walk.logits[: len(new_tokens)])
+        self.last_token = new_tokens[-1]
         self.stats.record(tree_depth, kept)
         chooser = self.chooser
         if chooser is not None and one.drafting:
@@ -313,7 +326,7 @@ def eagle3_tree_decoding(
     loop.prefill()
     if loop.settings["total_tokens"] == "auto":
         loop.start_auto()
-    while not bool(stopping_criteria(loop.input_ids, loop.scores_out).all()):
+    while not loop.finished(stopping_criteria):
         one = loop.draft_round()
         logits = loop.verify(one.tree)
         walk, new_tokens, tree_depth = loop.accept(one.tree, logits)
