@@ -182,10 +182,10 @@ def eagle3_batched_decoding(
         started = time.perf_counter()
         trees, drafted, feed = loop.draft()
         logits, features, start = loop.verify(trees)
-        kept = loop.accept(trees, logits, features)
+        kept, depths = loop.accept(trees, logits, features)
         loop.commit(kept, start)
         loop.retire()
-        loop.observe(trees, kept, drafted, feed, time.perf_counter() - started)
+        loop.observe(depths, kept, drafted, feed, time.perf_counter() - started)
     return _outputs(loop.finished, generation_config, input_ids, loop.run, GenerateDecoderOnlyOutput)
 
 
@@ -214,7 +214,8 @@ class _BatchLoop:
         self.shape = _round_shape(call, self.draft_model)
         self.cache_key, self.cache = decoding_cache(model_kwargs, generation_config, "Batched EAGLE-3 decoding")
         self.attention_mask = model_kwargs.get("attention_mask")
-        self.pads = check_batch(input_ids, self.attention_mask, generation_config, self.cache, self.shape["total"] + 1)
+        self.pads = check_batch(input_ids, self.attention_mask, generation_config, self.cache,
+                                self.shape["total"] + 1).tolist()  # a host tensor
         self.window = sliding_window(self.cache)
         self.run = _BatchRun(self.draft_model)
         call.generator = self.run
@@ -251,7 +252,7 @@ class _BatchLoop:
         self.positions = self.valid.sum(-1)  # position of each row's next token (its root): real tokens so far
         for b, token in enumerate(first.tolist()):
             ids = input_ids[b].tolist() + [token]
-            p = int(self.pads[b])
+            p = self.pads[b]
             row = _Row(b, ids, self.drafter_class(self.draft_model))
             row.drafter.state.add(features[b : b + 1, p:], torch.tensor(ids[p + 1 :], device=features.device))
             row.scores.append(scores[b : b + 1])
@@ -281,7 +282,8 @@ class _BatchLoop:
             in the cache.
         """
         nodes = max(t.tokens.shape[0] for t in trees)
-        longest = int(self.positions.max())
+        # The longest row's cached tokens, from host lengths (positions[b] == len(ids) - 1 - pads[b]): no read-back.
+        longest = max(len(row.ids) - 1 - self.pads[row.index] for row in self.rows)
         if self.valid.shape[1] + nodes > min(2 * longest + COMPACT_SLACK, self.window - 1):
             self.valid = compact(self.cache, self.valid)  # far longer than the longest row, or near the window
         start, device = self.valid.shape[1], self.device
@@ -301,17 +303,25 @@ class _BatchLoop:
         verified features for its draft are extended.
 
         Returns:
-            `list[list[int]]`: per row, the tree nodes whose cache entries stay (the root first).
+            ``(kept, depths)``: per row, the tree nodes whose cache entries stay (the root first), and the depth of
+            its tree.
         """
-        argmax = logits.argmax(-1).tolist() if self.processors is None and not self.do_sample else None
-        kept = []
+        nodes, device = logits.shape[1], trees[0].tokens.device
+        # One read-back for the whole batch: every row's tree (tokens, parents, depths) and, greedy, the argmax.
+        planes = [torch.stack([_padded(getattr(t, name), nodes) for t in trees]) for name in ("tokens", "parents",
+                                                                                             "depths")]
+        greedy = self.processors is None and not self.do_sample
+        if greedy:
+            planes.append(logits.argmax(-1).to(device))
+        host = torch.stack(planes).tolist()
+        kept, depths = [], []
         for b, (row, tree) in enumerate(zip(self.rows, trees)):
             n = tree.tokens.shape[0]
-            host = tree.tokens.tolist()
-            walk = walk_tree(host, tree.parents.tolist(), logits[b, :n], self.do_sample,
-                             argmax=None if argmax is None else argmax[b][:n],
+            tokens = host[0][b][:n]
+            walk = walk_tree(tokens, host[1][b][:n], logits[b, :n], self.do_sample,
+                             argmax=host[3][b][:n] if greedy else None,
                              process=_row_processor(self.processors, row, len(self.finished), self.device))
-            new = clip_new_tokens([host[a] for a in walk.accepted] + [walk.bonus], self.max_length - len(row.ids),
+            new = clip_new_tokens([tokens[a] for a in walk.accepted] + [walk.bonus], self.max_length - len(row.ids),
                                   self.eos)
             path = [0] + walk.accepted[: len(new) - 1]
             kept.append(path)
@@ -320,8 +330,9 @@ class _BatchLoop:
             row.ids += new
             row.scores += walk.scores[: len(new)]
             row.logits += walk.logits[: len(new)]
-            row.stats.record(int(tree.depths.max()), len(new) - 1)
-        return kept
+            depths.append(max(host[2][b][:n]))
+            row.stats.record(depths[-1], len(new) - 1)
+        return kept, depths
 
     def commit(self, kept: list, start: int) -> None:
         """The target cache keeps each row's accepted path; a shorter path than the longest leaves holes."""
@@ -356,13 +367,13 @@ class _BatchLoop:
             self.valid, self.positions = self.valid[keep], self.positions[keep]
         self.rows = remaining
 
-    def observe(self, trees: list, kept: list, drafted: int, feed: int, seconds: float) -> None:
-        """For "auto": the round's acceptance (every row) and wall time."""
+    def observe(self, depths: list, kept: list, drafted: int, feed: int, seconds: float) -> None:
+        """For "auto": the round's acceptance (every row: its tree's depth and the nodes kept) and wall time."""
         policy = self.run.policy
         if policy is None:
             return
-        for tree, path in zip(trees, kept):
-            policy.observe(int(tree.depths.max()), len(path) - 1)
+        for depth, path in zip(depths, kept):
+            policy.observe(depth, len(path) - 1)
         policy.observe_time(drafted, seconds, feed=feed)
 
 
