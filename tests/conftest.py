@@ -195,3 +195,24 @@ def token_p_values(samples: list[list[int]], plain: list[list[int]]) -> dict[str
         name: chi_square_homogeneity([tuple(s[v]) for s in samples], [tuple(s[v]) for s in plain])[2]
         for name, v in views.items()
     }
+
+
+def break_tree_sampling(monkeypatch) -> None:
+    """Negative control of the sampled tree walk: the bonus token after rejected children is sampled from the
+    target's distribution without removing them (both in the node-by-node rule and in the device-side decisions), which
+    biases the output towards the drafted tokens."""
+    import hf_eagle3.core.acceptance as acceptance
+
+    sample_among_children, sampling_decisions = acceptance.sample_among_children, acceptance.sampling_decisions
+
+    def broken_rule(probs, child_tokens):
+        index, bonus = sample_among_children(probs, child_tokens)
+        return (index, None) if index is not None else (None, int(torch.multinomial(probs / probs.sum(), 1)))
+
+    def broken_decisions(probs, tokens, parents):
+        decided = sampling_decisions(probs, tokens, parents)
+        decided[1] = torch.multinomial(probs / probs.sum(-1, keepdim=True), 1)[:, 0]
+        return decided
+
+    monkeypatch.setattr(acceptance, "sample_among_children", broken_rule)
+    monkeypatch.setattr(acceptance, "sampling_decisions", broken_decisions)

@@ -7,7 +7,15 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from hf_eagle3.core.acceptance import children_lists, clip_new_tokens, walk_tree
+from hf_eagle3.core.acceptance import (
+    children_lists,
+    clip_new_tokens,
+    round_planes,
+    sample_among_children,
+    sampling_decisions,
+    walk_planes,
+    walk_tree,
+)
 from hf_eagle3.core.target_cache import batch_tree_mask, compact, gather_entries, keep_rows
 from hf_eagle3.core.tree_drafter import DraftTree
 
@@ -61,6 +69,41 @@ def test_sampled_walk_accepts_a_sure_child_and_never_an_impossible_one():
         torch.manual_seed(seed)
         walk = walk_tree(TOKENS, PARENTS, logits, do_sample=True)
         assert walk.accepted == [2] and walk.bonus == 1
+
+
+def test_sampled_walk_from_device_decisions_accepts_a_sure_child_and_never_an_impossible_one():
+    logits = torch.full((5, V), -1e9)
+    logits[0, 4] = 0.0
+    logits[2, 1] = 0.0
+    tree = DraftTree(tokens=torch.tensor(TOKENS), parents=torch.tensor(PARENTS), depths=torch.tensor([0, 1, 1, 2, 2]),
+                     ancestors=torch.eye(5, dtype=torch.bool), scores=torch.zeros(4), max_depth=2)
+    for seed in range(20):
+        torch.manual_seed(seed)
+        planes, processed = round_planes(tree, logits, True, None)
+        assert planes.shape == (5, 5)
+        walk = walk_planes(planes.tolist(), logits, True, processed)
+        assert walk.accepted == [2] and walk.bonus == 1 and len(walk.scores) == 2
+
+
+@pytest.mark.parametrize("children", [[1, 3, 4], [2], []])
+def test_device_decisions_keep_the_target_distribution(children):
+    """The token a node yields (its accepted child's, else the residual sample) is distributed as the target's
+    distribution there, as with the host-side :func:`sample_among_children`; a rule that always accepts the first
+    child (the negative control) is told apart."""
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(V) * 1.5, -1)
+    tokens, parents = torch.tensor([0] + children), torch.zeros(len(children) + 1, dtype=torch.long)
+    device, host, broken = torch.zeros(V), torch.zeros(V), torch.zeros(V)
+    for _ in range(4000):
+        first, residual = sampling_decisions(probs.expand(len(tokens), V).contiguous(), tokens, parents)[:, 0].tolist()
+        device[tokens[first] if first >= 0 else residual] += 1
+        index, bonus = sample_among_children(probs, children)
+        host[children[index] if index is not None else bonus] += 1
+        broken[children[0] if children else bonus] += 1
+    for counts in (device, host):
+        assert (counts / counts.sum() - probs).abs().max() < 0.03
+    if children:
+        assert (broken / broken.sum() - probs).abs().max() > 0.1
 
 
 def test_clip_new_tokens():

@@ -16,12 +16,18 @@ import itertools
 
 import pytest
 import torch
+from conftest import (
+    break_tree_sampling,
+    plain_continuations,
+    sampling_models,
+    tiny_draft,
+    tiny_target,
+    token_p_values,
+)
 from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
-from conftest import plain_continuations, sampling_models, tiny_draft, tiny_target, token_p_values
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-import hf_eagle3.core.acceptance as acceptance
 from hf_eagle3 import Eagle3TreeDrafter
 from hf_eagle3.core import batched_decoding, draft_length_policy, generate_hook
 from hf_eagle3.core.generate_hook import _ACTIVE, use_drafting
@@ -353,18 +359,8 @@ def test_batched_sampling_keeps_target_distribution(settings, least_accepted):
     assert min(p.values()) > ALPHA / 2, p
 
 
-def _broken_residual(probs, child_tokens):
-    """Bug: rejected children are not removed from the distribution the bonus token is sampled from."""
-    if child_tokens:
-        p_children = probs[torch.tensor(child_tokens)].tolist()
-        for i, (p, u) in enumerate(zip(p_children, torch.rand(len(child_tokens)).tolist())):
-            if u < p:
-                return i, None
-    return None, int(torch.multinomial(probs, 1))
-
-
 def test_batched_negative_control_detects_broken_acceptance(monkeypatch):
-    monkeypatch.setattr(acceptance, "sample_among_children", _broken_residual)
+    break_tree_sampling(monkeypatch)
     samples, _ = batched_samples(480, seed=200, settings=dict(tree_top_k=10, tree_depth=2, tree_total_tokens=20))
     p = token_p_values(samples, plain_samples())
     assert min(p.values()) < ALPHA / 2, p

@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import (
     assisted_continuations,
+    break_tree_sampling,
     greedy,
     plain_continuations,
     random_prompt,
@@ -29,7 +30,6 @@ from conftest import (
 from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
 
-import hf_eagle3.core.acceptance as acceptance
 import hf_eagle3.core.target_cache as target_cache
 import hf_eagle3.core.tree_drafter as tree_drafter
 import hf_eagle3.core.tree_policy as tree_policy
@@ -405,21 +405,8 @@ def test_sampling_with_rounds_without_a_tree_keeps_target_distribution(monkeypat
     assert min(p.values()) > ALPHA / 2, p
 
 
-def _broken_residual(probs, child_tokens):
-    """Bug: rejected children are not removed from the distribution the bonus token is sampled from."""
-    if child_tokens:
-        index = torch.tensor(child_tokens)
-        p_children = probs[index].tolist()
-        remaining = 1.0
-        for i, (p, u) in enumerate(zip(p_children, torch.rand(len(child_tokens)).tolist())):
-            if u * remaining < p:
-                return i, None
-            remaining -= p
-    return None, int(torch.multinomial(probs, 1))
-
-
 def test_negative_control_detects_broken_acceptance(monkeypatch):
-    monkeypatch.setattr(acceptance, "sample_among_children", _broken_residual)
+    break_tree_sampling(monkeypatch)
     samples, _ = tree_samples(500, seed=5000)
     p = token_p_values(samples, plain_samples())
     assert min(p.values()) < ALPHA / 2, p

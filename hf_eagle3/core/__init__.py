@@ -16,7 +16,7 @@ Drafting
     ``draft_state``, ``candidate_generator`` (chains in Transformers' loop), ``tree_drafter``, ``logits_process``
     (draft vocabulary to target vocabulary).
 Verifying
-    ``acceptance``, ``target_cache``.
+    ``acceptance``, ``target_cache``, ``stopping`` (stop checks on the host).
 The loops
     ``tree_decoding`` (trees, batch 1), ``batched_decoding`` (batches, chains and trees).
 How much to draft

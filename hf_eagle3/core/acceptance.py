@@ -8,6 +8,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+# Logits processors whose output at a node does not depend on the tokens before it: with only these (or none), every
+# node of a tree is processed in one call and the sampled walk is decided on the device (see sampling_decisions).
+PREFIX_FREE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
+                          TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper)
+
+
+def prefix_free(processors) -> bool:
+    """Whether ``processors`` (a `LogitsProcessorList` or ``None``) ignore the sequence they are given."""
+    return processors is None or all(type(p) in PREFIX_FREE_PROCESSORS for p in processors)
 
 
 @dataclass
@@ -57,6 +76,40 @@ def sample_among_children(probs: torch.Tensor, child_tokens: list[int]):
     return None, int(torch.multinomial(probs / probs.sum(), 1))
 
 
+def sampling_decisions(probs: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """:func:`sample_among_children` at every node of a tree at once, on the device (no host synchronisation).
+
+    At node ``i`` the children are tried in node order: child ``j`` is accepted with probability ``p_i(x_j)`` under
+    ``p_i`` renormalised after the rejected siblings (``u_ij * remaining_ij < p_i(x_j)``, ``remaining`` being one minus
+    the mass of the siblings tried before); when all are rejected the bonus is sampled from ``p_i`` with the children's
+    tokens removed (or from ``p_i`` when nothing is left). Decisions at nodes the walk never reaches are drawn and
+    ignored, so the walk's tokens are distributed exactly as with :func:`sample_among_children`.
+
+    Args:
+        probs (`torch.FloatTensor` [n, V]): the target's distribution at each node (after its logits processors).
+        tokens (`torch.LongTensor` [n]): each node's token (node 0 is the root).
+        parents (`torch.LongTensor` [n]): each node's parent (``parents[0]`` ignored).
+
+    Returns:
+        `torch.LongTensor` [2, n]: the accepted child's node index at each node (-1 when none is), and the residual
+        sample at each node.
+    """
+    n = tokens.shape[0]
+    nodes = torch.arange(n, device=probs.device)
+    is_child = (parents[None, :] == nodes[:, None]) & (nodes[None, :] > 0)  # [i, j]: node j is a child of node i
+    p = probs.double().gather(1, tokens[None, :].expand(n, n)) * is_child
+    remaining = 1.0 - (torch.cumsum(p, dim=1) - p)  # mass left when child j is tried
+    uniforms = torch.rand((n, n), dtype=torch.float64, device=probs.device)
+    accept = is_child & (remaining > 0) & (uniforms * remaining < p)
+    first = torch.where(accept, nodes[None, :], n).min(dim=1).values
+    first = torch.where(first == n, -1, first)
+    hit = torch.zeros_like(probs).scatter_add_(1, tokens[None, :].expand(n, n), is_child.to(probs.dtype))
+    residual = torch.where(hit > 0, 0.0, probs)
+    dist = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
+    sample = torch.multinomial(dist / dist.sum(-1, keepdim=True), 1)[:, 0]
+    return torch.stack([first, sample])
+
+
 def children_lists(parents: list[int]) -> list[list[int]]:
     """The children of every node, in node order (the candidate order: decreasing draft score).
 
@@ -70,7 +123,7 @@ def children_lists(parents: list[int]) -> list[list[int]]:
 
 
 def walk_tree(tokens: list[int], parents: list[int], logits: torch.Tensor, do_sample: bool, argmax=None,
-              process=None) -> TreeWalk:
+              process=None, decisions=None, processed=None) -> TreeWalk:
     """Walk down a verified tree from the root along the children the target accepts.
 
     Greedy: a child is accepted when its token is the target's choice at its parent; sampling: by
@@ -84,6 +137,10 @@ def walk_tree(tokens: list[int], parents: list[int], logits: torch.Tensor, do_sa
         do_sample (`bool`): sample (else greedy).
         argmax (`list[int]`, *optional*): the target's greedy choice at each node, precomputed (only valid without
             logits processors); when given, ``process`` is not called.
+        decisions (`list[list[int]]`, *optional*): sampling only, :func:`sampling_decisions` read back (accepted
+            child per node, residual sample per node); when given, ``processed`` holds every node's processed scores
+            ``[n, V]`` and ``process`` is not called.
+        processed (`torch.FloatTensor` [n, V], *optional*): with ``decisions``.
         process (`Callable[[list[int], torch.FloatTensor], torch.FloatTensor]`, *optional*): maps the accepted path
             so far (tokens) and a node's logits ``[1, V]`` to the processed scores (the logits processors with the
             node's own prefix); ``None``: the logits as they are.
@@ -95,6 +152,16 @@ def walk_tree(tokens: list[int], parents: list[int], logits: torch.Tensor, do_sa
     walk, node = TreeWalk(), 0
     while True:
         row = logits[node : node + 1]
+        if decisions is not None:
+            walk.scores.append(processed[node : node + 1])
+            walk.logits.append(row)
+            child, bonus = decisions[0][node], decisions[1][node]
+            if child < 0:
+                walk.bonus = bonus
+                return walk
+            node = child
+            walk.accepted.append(node)
+            continue
         if argmax is not None:
             scores, choice = row, argmax[node]
         else:
@@ -116,6 +183,54 @@ def walk_tree(tokens: list[int], parents: list[int], logits: torch.Tensor, do_sa
                 return walk
             node = match[0]
         walk.accepted.append(node)
+
+
+def round_planes(tree, logits: torch.Tensor, do_sample: bool, processors) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a row's acceptance needs from the device, as one tensor to read back with the other rows'.
+
+    Always the tree's tokens, parents and depths; greedy without processors, the target's argmax at each node;
+    sampling with prefix-free processors (or none), the processed scores of every node and the
+    :func:`sampling_decisions`. Otherwise (processors that read the prefix) the walk processes node by node.
+
+    Args:
+        tree (`DraftTree`): the row's verified tree (``n`` nodes).
+        logits (`torch.FloatTensor` [n, V]): the target's logits at the tree's nodes.
+        do_sample (`bool`): sampling (else greedy).
+        processors (`LogitsProcessorList` or `None`): the call's logits processors.
+
+    Returns:
+        ``(planes [3, n] | [4, n] | [5, n] on the tree's device, processed [n, V] or None)``: read ``planes`` back
+        and give each row's lists to :func:`walk_planes`.
+    """
+    planes, processed, device = [tree.tokens, tree.parents, tree.depths], None, tree.tokens.device
+    if not do_sample and processors is None:
+        planes.append(logits.argmax(-1).to(device))
+    elif do_sample and prefix_free(processors):
+        n = logits.shape[0]
+        ids = torch.zeros((n, 1), dtype=torch.long, device=logits.device)  # prefix-free: never read
+        processed = processors(ids, logits.clone()) if processors is not None else logits
+        decided = sampling_decisions(processed.softmax(-1), tree.tokens.to(logits.device),
+                                     tree.parents.to(logits.device))
+        planes += list(decided.to(device))
+    return torch.stack(planes), processed
+
+
+def walk_planes(host: list, logits: torch.Tensor, do_sample: bool, processed=None, process=None) -> TreeWalk:
+    """:func:`walk_tree` on one row's planes from :func:`round_planes`, read back as lists (``host[0]`` tokens,
+    ``host[1]`` parents, then the argmax or the sampling decisions when present).
+
+    Args:
+        host (`list[list[int]]`): the row's planes, each cut to its ``n`` nodes.
+        logits (`torch.FloatTensor` [n, V]): the target's logits at the nodes.
+        do_sample (`bool`): sampling (else greedy).
+        processed (`torch.FloatTensor` [n, V], *optional*): from :func:`round_planes` (with decisions).
+        process: the node-by-node processing of :func:`walk_tree` (processors that read the prefix).
+    """
+    if len(host) == 4:
+        return walk_tree(host[0], host[1], logits, do_sample, argmax=host[3])
+    if len(host) == 5:
+        return walk_tree(host[0], host[1], logits, do_sample, decisions=host[3:5], processed=processed)
+    return walk_tree(host[0], host[1], logits, do_sample, process=process)
 
 
 def clip_new_tokens(tokens: list[int], room: int, eos: set) -> list[int]:

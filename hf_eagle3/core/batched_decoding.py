@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .acceptance import clip_new_tokens, walk_tree
+from .acceptance import clip_new_tokens, round_planes, walk_planes
 from .cost_model import Eagle3Costs, measure_costs, target_costs
 from .draft_length_policy import Eagle3DraftLengthPolicy
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
@@ -306,21 +306,21 @@ class _BatchLoop:
             ``(kept, depths)``: per row, the tree nodes whose cache entries stay (the root first), and the depth of
             its tree.
         """
-        nodes, device = logits.shape[1], trees[0].tokens.device
-        # One read-back for the whole batch: every row's tree (tokens, parents, depths) and, greedy, the argmax.
-        planes = [torch.stack([_padded(getattr(t, name), nodes) for t in trees]) for name in ("tokens", "parents",
-                                                                                             "depths")]
-        greedy = self.processors is None and not self.do_sample
-        if greedy:
-            planes.append(logits.argmax(-1).to(device))
-        host = torch.stack(planes).tolist()
+        # One read-back for the whole batch: every row's planes (tree, then the argmax or the sampling decisions).
+        nodes, rounds = logits.shape[1], []
+        for b, tree in enumerate(trees):
+            n = tree.tokens.shape[0]
+            planes, processed = round_planes(tree, logits[b, :n], self.do_sample,
+                                             self.processors)
+            rounds.append((torch.stack([_padded(plane, nodes) for plane in planes]), processed))
+        host = torch.stack([planes for planes, _ in rounds]).tolist()
         kept, depths = [], []
         for b, (row, tree) in enumerate(zip(self.rows, trees)):
             n = tree.tokens.shape[0]
-            tokens = host[0][b][:n]
-            walk = walk_tree(tokens, host[1][b][:n], logits[b, :n], self.do_sample,
-                             argmax=host[3][b][:n] if greedy else None,
-                             process=_row_processor(self.processors, row, len(self.finished), self.device))
+            mine = [plane[:n] for plane in host[b]]
+            tokens = mine[0]
+            walk = walk_planes(mine, logits[b, :n], self.do_sample, rounds[b][1],
+                               process=_row_processor(self.processors, row, len(self.finished), self.device))
             new = clip_new_tokens([tokens[a] for a in walk.accepted] + [walk.bonus], self.max_length - len(row.ids),
                                   self.eos)
             path = [0] + walk.accepted[: len(new) - 1]
@@ -330,7 +330,7 @@ class _BatchLoop:
             row.ids += new
             row.scores += walk.scores[: len(new)]
             row.logits += walk.logits[: len(new)]
-            depths.append(max(host[2][b][:n]))
+            depths.append(max(mine[2]))
             row.stats.record(depths[-1], len(new) - 1)
         return kept, depths
 

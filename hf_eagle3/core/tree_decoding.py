@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import TreeWalk, clip_new_tokens, walk_tree
+from .acceptance import TreeWalk, clip_new_tokens, round_planes, walk_planes
 from .cost_model import synchronize, target_costs
 from .stats import Eagle3Stats
 from .stopping import HostStopping
@@ -214,13 +214,11 @@ class _TreeLoop:
             ``(walk, new_tokens, tree_depth)``: the :class:`~hf_eagle3.core.acceptance.TreeWalk`, the accepted tokens and
             the bonus clipped to ``max_length`` and the first EOS, and the tree's depth.
         """
-        rows = [tree.tokens, tree.parents, tree.depths]
-        if self.processors is None and not self.do_sample:
-            rows.append(logits.argmax(-1).to(tree.tokens.device))
-        host = torch.stack(rows).tolist()
-        tokens, parents = host[0], host[1]
-        walk = walk_tree(tokens, parents, logits, self.do_sample, argmax=host[3] if len(host) > 3 else None,
-                         process=self._process if self.processors is not None else None)
+        planes, processed = round_planes(tree, logits, self.do_sample, self.processors)
+        host = planes.tolist()
+        tokens = host[0]
+        walk = walk_planes(host, logits, self.do_sample, processed,
+                           process=self._process if self.processors is not None else None)
         new_tokens = clip_new_tokens([tokens[a] for a in walk.accepted] + [walk.bonus],
                                      self.max_length - self.input_ids.shape[1], self.eos)
         return walk, new_tokens, max(host[2])
