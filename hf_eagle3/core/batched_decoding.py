@@ -307,19 +307,17 @@ class _BatchLoop:
             its tree.
         """
         # One read-back for the whole batch: every row's planes (tree, then the argmax or the sampling decisions).
-        nodes, rounds = logits.shape[1], []
-        for b, tree in enumerate(trees):
-            n = tree.tokens.shape[0]
-            planes, processed = round_planes(tree, logits[b, :n], self.do_sample,
-                                             self.processors)
-            rounds.append((torch.stack([_padded(plane, nodes) for plane in planes]), processed))
-        host = torch.stack([planes for planes, _ in rounds]).tolist()
+        nodes, sizes, planes, processed = logits.shape[1], [t.tokens.shape[0] for t in trees], [], []
+        for b, (tree, n) in enumerate(zip(trees, sizes)):
+            row_planes, row_processed = round_planes(tree, logits[b, :n], self.do_sample, self.processors)
+            planes.append(torch.stack([_padded(plane, nodes) for plane in row_planes]))
+            processed.append(row_processed)
+        host = torch.stack(planes).tolist()
         kept, depths = [], []
-        for b, (row, tree) in enumerate(zip(self.rows, trees)):
-            n = tree.tokens.shape[0]
+        for b, (row, n) in enumerate(zip(self.rows, sizes)):
             mine = [plane[:n] for plane in host[b]]
             tokens = mine[0]
-            walk = walk_planes(mine, logits[b, :n], self.do_sample, rounds[b][1],
+            walk = walk_planes(mine, logits[b, :n], self.do_sample, processed[b],
                                process=_row_processor(self.processors, row, len(self.finished), self.device))
             new = clip_new_tokens([tokens[a] for a in walk.accepted] + [walk.bonus], self.max_length - len(row.ids),
                                   self.eos)
@@ -353,9 +351,8 @@ class _BatchLoop:
             done = row.ids[-1] in self.eos or len(row.ids) >= self.max_length
             if not done and self.host_stopping is not None:
                 done = self.host_stopping.done(len(row.ids), row.ids[-1])
-            elif not done:  # a criterion the host cannot decide
-                ids = torch.tensor([row.ids], dtype=torch.long, device=self.device)
-                done = bool(self.stopping_criteria(ids, None).all())
+            elif not done:  # a criterion the host cannot decide: called on the row's sequence
+                done = bool(self.stopping_criteria(torch.tensor([row.ids], device=self.device), None).all())
             if done:
                 self.finished[row.index] = row
             else:

@@ -20,8 +20,8 @@ class HostStopping:
         self.max_length, self.eos = None, set()
         for criterion in stopping_criteria:
             if isinstance(criterion, MaxLengthCriteria):
-                lengths = [criterion.max_length] + ([self.max_length] if self.max_length is not None else [])
-                self.max_length = min(lengths)
+                length = criterion.max_length
+                self.max_length = length if self.max_length is None else min(self.max_length, length)
             else:
                 ids = criterion.eos_token_id
                 self.eos |= set(ids.tolist() if isinstance(ids, torch.Tensor) else [ids])

@@ -69,6 +69,7 @@ class _TreeLoop:
             the draft once the inputs are checked.
         input_ids (`torch.LongTensor` [1, L]): the prompt.
         logits_processor (`LogitsProcessorList`): applied to the target's logits at every tree node.
+        stopping_criteria (`StoppingCriteriaList`): checked after each round (on the host for the default ones).
         generation_config (`GenerationConfig`): the call's generation config.
         streamer (`BaseStreamer`, *optional*): receives each round's new tokens.
         model_kwargs (`dict`): the prepared model kwargs (``cache``, ``attention_mask``, ``position_ids``, ...).
@@ -78,8 +79,8 @@ class _TreeLoop:
             cache, attentions or hidden states asked for).
     """
 
-    def __init__(self, model, call, drafter_class, input_ids, logits_processor, generation_config, streamer,
-                 model_kwargs):
+    def __init__(self, model, call, drafter_class, input_ids, logits_processor, stopping_criteria, generation_config,
+                 streamer, model_kwargs):
         if input_ids.shape[0] != 1:
             raise ValueError(f"EAGLE-3 tree decoding handles one sequence at a time, got a batch of {input_ids.shape[0]}.")
         if input_ids.shape[1] == 0:
@@ -113,16 +114,15 @@ class _TreeLoop:
         position_ids = model_kwargs.get("position_ids")
         self.position_offset = 0 if position_ids is None else int(position_ids[0, -1]) - (input_ids.shape[1] - 1)
         self.chooser = None
-        self.host_stopping, self.last_token = False, None  # set on the first check, after the prefill's token
+        self.stopping_criteria, self.host_stopping = stopping_criteria, HostStopping.of(stopping_criteria)
+        self.last_token = None  # the sequence's last token, on the host (set by the prefill and every commit)
 
-    def finished(self, stopping_criteria) -> bool:
+    def finished(self) -> bool:
         """Whether generation stops after this round: on the host for the default criteria (no device sync), else by
-        calling ``stopping_criteria`` on the sequence."""
-        if self.host_stopping is False:
-            self.host_stopping = HostStopping.of(stopping_criteria)
+        calling the stopping criteria on the sequence."""
         if self.host_stopping is not None:
             return self.host_stopping.done(self.input_ids.shape[1], self.last_token)
-        return bool(stopping_criteria(self.input_ids, self.scores_out).all())
+        return bool(self.stopping_criteria(self.input_ids, self.scores_out).all())
 
     # ------------------------------------------------------------------------------------------------------ steps
     def _pick(self, seq: torch.LongTensor, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -319,12 +319,12 @@ def eagle3_tree_decoding(
         `torch.LongTensor` of the sequences, or a `GenerateDecoderOnlyOutput` when ``return_dict_in_generate``.
     """
     call.generator = _TreeRun(call.draft)
-    loop = _TreeLoop(model, call, drafter_class or Eagle3TreeDrafter, input_ids, logits_processor, generation_config,
-                     streamer, model_kwargs)
+    loop = _TreeLoop(model, call, drafter_class or Eagle3TreeDrafter, input_ids, logits_processor, stopping_criteria,
+                     generation_config, streamer, model_kwargs)
     loop.prefill()
     if loop.settings["total_tokens"] == "auto":
         loop.start_auto()
-    while not loop.finished(stopping_criteria):
+    while not loop.finished():
         one = loop.draft_round()
         logits = loop.verify(one.tree)
         walk, new_tokens, tree_depth = loop.accept(one.tree, logits)
