@@ -28,8 +28,8 @@ from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-from hf_eagle3 import Eagle3TreeDrafter
 from hf_eagle3.core import batched_decoding, draft_length_policy, generate_hook
+from hf_eagle3.core.batch_drafter import Eagle3BatchTreeDrafter
 from hf_eagle3.core.generate_hook import _ACTIVE, use_drafting
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
@@ -76,32 +76,38 @@ def no_hooks_left(target) -> bool:
     return _ACTIVE.get() is None and all(not layer._forward_pre_hooks for layer in target.model.layers)
 
 
-class OracleDrafter(Eagle3TreeDrafter):
+class OracleDrafter(Eagle3BatchTreeDrafter):
     """Drafts each row's reference continuation, right for a number of tokens that varies from round to round, then
     wrong (the draft itself is still fed every verified position, so its cache bookkeeping runs as usual)."""
 
     references: list = []
 
-    def __init__(self, draft):
-        super().__init__(draft)
-        self.history = []
+    def __init__(self, draft, rows, capacity):
+        super().__init__(draft, rows, capacity)
+        self.history = [[] for _ in range(rows)]
 
-    def feed(self, features=None, tokens=None):
-        if features is not None:
-            self.state.add(features, tokens)
-        self.history += self.state.pending()[1].tolist()
+    def feed(self):
+        _, tokens, counts = self._merged()
+        for b, (row, c) in enumerate(zip(tokens.tolist(), counts)):
+            self.history[b] += row[:c]
         super().feed()
 
-    def expand(self, depth, top_k, should_expand=None):
-        h = len(self.history)
-        ref = next(r for r in self.references if r[1 : 1 + h] == self.history)
-        truth = (ref[1 + h : 1 + h + depth] + [4] * depth)[:depth]
-        right = (h * 7 + len(ref)) % (depth + 1)
-        tokens = [t if i < right else (t + 1) % 256 for i, t in enumerate(truth)]
-        device = self.device
-        return (-0.1 * torch.arange(1, depth + 1, dtype=torch.float, device=device),
-                torch.tensor(tokens, dtype=torch.long, device=device),
-                torch.arange(depth, dtype=torch.long, device=device),
+    def keep_rows(self, keep):
+        super().keep_rows(keep)
+        self.history = [self.history[i] for i in keep]
+
+    def expand(self, depth, top_k):
+        chains = []
+        for history in self.history:
+            h = len(history)
+            ref = next(r for r in self.references if r[1 : 1 + h] == history)
+            truth = (ref[1 + h : 1 + h + depth] + [4] * depth)[:depth]
+            right = (h * 7 + len(ref)) % (depth + 1)
+            chains.append([t if i < right else (t + 1) % 256 for i, t in enumerate(truth)])
+        device, rows = self.device, len(chains)
+        return (-0.1 * torch.arange(1, depth + 1, dtype=torch.float, device=device).expand(rows, depth),
+                torch.tensor(chains, dtype=torch.long, device=device),
+                torch.arange(depth, dtype=torch.long, device=device).expand(rows, depth),
                 torch.arange(1, depth + 1, dtype=torch.long, device=device), depth)
 
 
@@ -109,7 +115,7 @@ def oracle_generate(target, draft, ids, mask, ref, **kwargs):
     """Batched EAGLE-3 with :class:`OracleDrafter` reading the rows of ``ref`` (plain batched output)."""
     OracleDrafter.references = [[t for t, m in zip(row, mk) if m] + row[len(mk):]
                                 for row, mk in zip(ref.tolist(), mask.tolist())]
-    with use_drafting(tree=OracleDrafter):
+    with use_drafting(batch=OracleDrafter):
         return target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, **kwargs)
 
 

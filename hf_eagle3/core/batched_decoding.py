@@ -1,7 +1,8 @@
 """Batched EAGLE-3 decoding: chains and trees for a left-padded batch, run in place of Transformers' assisted-decoding
 loop (which takes one sequence) when ``generate`` gets more than one row.
 
-Every row keeps its own draft state and acceptance; the target verifies all rows in one forward. Rows accept different
+Every row keeps its own acceptance; the draft runs one forward per step for all the rows
+(:class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`) and the target verifies all rows in one forward. Rows accept different
 numbers of tokens, so the target's KV cache keeps a per-row validity mask: a round appends as many entries as the row
 that accepted most, the other rows' surplus entries are holes that the attention mask hides, and each row carries its
 own position ids. When holes make the cache much longer than the longest row, the rows are compacted (each row's
@@ -20,14 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import clip_new_tokens, round_planes, walk_planes
-from .cost_model import Eagle3Costs, measure_costs, target_costs
+from .batch_drafter import Eagle3BatchTreeDrafter
+from .cost_model import measure_costs
 from .draft_length_policy import Eagle3DraftLengthPolicy
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
 from .stats import Eagle3Stats
 from .stopping import HostStopping
 from .target_cache import batch_tree_mask, compact, decoding_cache, gather_entries, keep_rows, prefill, sliding_window
 from .transformers_compat import eos_token_ids
-from .tree_drafter import DraftTree, Eagle3TreeDrafter
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
 TREE_AUTO_BATCHED = 16  # nodes per row when a batched call asks for tree_total_tokens="auto" (see docs/batching.md)
@@ -39,7 +40,6 @@ class _Row:
 
     index: int  # its place in the batch as given
     ids: list  # the padded prompt followed by the tokens generated so far (target ids)
-    drafter: Eagle3TreeDrafter  # its state holds the verified positions not fed yet
     stats: Eagle3Stats = field(default_factory=Eagle3Stats)
     scores: list = field(default_factory=list)  # per generated token: processed scores [1, V]
     logits: list = field(default_factory=list)  # per generated token: raw logits [1, V]
@@ -80,8 +80,7 @@ def _round_shape(call, draft) -> dict:
 def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None) -> Eagle3DraftLengthPolicy:
     """
     The ``"auto"`` draft-length policy of a batched call: one length per round for every row, chosen under the
-    costs of this batch (the target's forwards timed at this batch size; the draft, which runs row by row, at
-    batch 1 times the rows).
+    costs of this batch (the target's forwards and the draft's, timed at this batch size).
 
     Args:
         model: the target.
@@ -89,12 +88,7 @@ def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None) -> Eag
         input_ids (`torch.LongTensor` [B, L]): the batch.
         carried (`dict`, *optional*): the acceptance carried from the draft's previous call.
     """
-    rows = input_ids.shape[0]
-    single = measure_costs(model, draft, input_ids[:1])
-    costs = Eagle3Costs(target=target_costs(model, input_ids),
-                        draft_feed={m: rows * s for m, s in single.draft_feed.items()},
-                        draft_step=rows * single.draft_step)
-    return Eagle3DraftLengthPolicy.from_carried(costs, carried)
+    return Eagle3DraftLengthPolicy.from_carried(measure_costs(model, draft, input_ids), carried)
 
 
 def check_batch(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> torch.Tensor:
@@ -147,8 +141,8 @@ def eagle3_batched_decoding(
     EAGLE-3 decoding of a left-padded batch (chains or trees), run in place of ``GenerationMixin._assisted_decoding``
     with the arguments Transformers prepared for it (see :func:`~hf_eagle3.core.generate_hook.loop_arguments`).
 
-    Each round, in order: **draft** (each unfinished row's draft consumes its verified features and drafts a chain or
-    a tree), **verify** (one target forward of every row's nodes: 4D mask over the row's valid cache entries and its
+    Each round, in order: **draft** (the draft consumes every unfinished row's verified features in one forward, then
+    drafts all the rows' chains or trees, one forward per level), **verify** (one target forward of every row's nodes: 4D mask over the row's valid cache entries and its
     tree, per-row positions), **accept** (per row, :func:`~hf_eagle3.core.acceptance.walk_tree`, then the length limit and
     EOS), **commit** (the target cache keeps each row's accepted path, the accepted features wait for the draft) and
     **retire** (finished rows leave the batch). Output: the rows as plain batched ``generate`` lays them out (padded
@@ -163,7 +157,8 @@ def eagle3_batched_decoding(
         generation_config (`GenerationConfig`): ``do_sample``, ``max_length``, EOS, pad, ``return_dict_in_generate``,
             ``output_scores``, ``output_logits``.
         streamer: must be ``None`` (Transformers' streamers take one row; the generate hook refuses them before).
-        drafter_class (`type`, *optional*): the drafter of each row (default :class:`Eagle3TreeDrafter`).
+        drafter_class (`type`, *optional*): the batch's drafter (default :class:`Eagle3BatchTreeDrafter`), built as
+            ``drafter_class(draft, rows, capacity)``.
         model_kwargs (`dict`): the prepared model kwargs (``cache``, ``attention_mask``, ...).
 
     Returns:
@@ -175,7 +170,7 @@ def eagle3_batched_decoding(
 
     if streamer is not None:
         raise ValueError("Transformers' streamers take one sequence; stream with a batch of one.")
-    loop = _BatchLoop(model, call, drafter_class or Eagle3TreeDrafter, input_ids, logits_processor, stopping_criteria,
+    loop = _BatchLoop(model, call, drafter_class or Eagle3BatchTreeDrafter, input_ids, logits_processor, stopping_criteria,
                       generation_config, model_kwargs)
     loop.prefill()
     while loop.rows:
@@ -199,7 +194,7 @@ class _BatchLoop:
     Args:
         model (`PreTrainedModel`): the target.
         call: the active EAGLE-3 call (draft, feature capture, settings).
-        drafter_class (`type`): the drafter of each row.
+        drafter_class (`type`): the batch's drafter.
         input_ids (`torch.LongTensor` [B, L]): the left-padded prompts.
         logits_processor (`LogitsProcessorList`): the call's processors.
         stopping_criteria (`StoppingCriteriaList`): the call's stopping criteria.
@@ -210,7 +205,7 @@ class _BatchLoop:
     def __init__(self, model, call, drafter_class, input_ids, logits_processor, stopping_criteria, generation_config,
                  model_kwargs):
         self.model, self.model_kwargs, self.input_ids = model, model_kwargs, input_ids
-        self.draft_model, self.capture, self.drafter_class = call.draft, call.capture, drafter_class
+        self.draft_model, self.capture = call.draft, call.capture
         self.shape = _round_shape(call, self.draft_model)
         self.cache_key, self.cache = decoding_cache(model_kwargs, generation_config, "Batched EAGLE-3 decoding")
         self.attention_mask = model_kwargs.get("attention_mask")
@@ -232,6 +227,9 @@ class _BatchLoop:
         self.device, self.dtype = input_ids.device, model.dtype
         self.rows, self.finished = [], [None] * input_ids.shape[0]
         self.valid = self.positions = None
+        shape = self.shape  # the draft cache holds the longest row and one round's tree
+        capacity = self.max_length + shape["depth"] * shape["top_k"] + shape["depth"] + 2
+        self.drafter = drafter_class(self.draft_model, input_ids.shape[0], capacity)
 
     def _features(self) -> torch.Tensor:
         """The target features of its last forward, on the draft's device and in its dtype (the capture cleared)."""
@@ -250,11 +248,16 @@ class _BatchLoop:
         self.valid = (self.attention_mask.bool() if self.attention_mask is not None
                       else torch.ones(input_ids.shape, dtype=torch.bool, device=self.device))
         self.positions = self.valid.sum(-1)  # position of each row's next token (its root): real tokens so far
+        # Each row's prompt positions, moved to the left (the drafter's feeds are right-padded), and the token after
+        # each of them (the prompt's next one, then the first generated).
+        length = input_ids.shape[1]
+        index = torch.tensor([[min(p + j, length - 1) for j in range(length)] for p in self.pads],
+                             device=features.device)
+        following = torch.cat([input_ids[:, 1:], first[:, None]], dim=1).to(features.device)
+        self.drafter.add(features.gather(1, index[..., None].expand(-1, -1, features.shape[-1])),
+                         following.gather(1, index), [length - p for p in self.pads])
         for b, token in enumerate(first.tolist()):
-            ids = input_ids[b].tolist() + [token]
-            p = self.pads[b]
-            row = _Row(b, ids, self.drafter_class(self.draft_model))
-            row.drafter.state.add(features[b : b + 1, p:], torch.tensor(ids[p + 1 :], device=features.device))
+            row = _Row(b, input_ids[b].tolist() + [token])
             row.scores.append(scores[b : b + 1])
             row.logits.append(last[b : b + 1])
             row.stats.record(0, 0)
@@ -262,17 +265,20 @@ class _BatchLoop:
         self.retire()
 
     def draft(self) -> tuple[list, int, int]:
-        """Each row's draft consumes its verified positions and drafts its tree (one length for all with "auto").
+        """The draft consumes every row's verified positions and drafts every row's tree, one forward per step for
+        the batch (one length for all with "auto"; no deeper than the roomiest row can still use).
 
         Returns:
             ``(trees, drafted, feed)``: one `DraftTree` per row, the draft length asked for, the mean positions fed.
         """
         shape, feed, policy = self.shape, 0, self.run.policy
         if policy is not None:
-            feed = round(sum(row.drafter.state.num_pending for row in self.rows) / len(self.rows))
+            feed = round(sum(self.drafter.num_pending(b) for b in range(len(self.rows))) / len(self.rows))
             k = policy.choose(shape["depth"], feed=feed)
             shape = dict(shape, depth=k, total=k)
-        return [_draft(row, shape, self.max_length) for row in self.rows], shape["depth"], feed
+        depth = min(shape["depth"], max(self.max_length - len(row.ids) - 1 for row in self.rows))
+        roots = torch.tensor([row.ids[-1] for row in self.rows], dtype=torch.long, device=self.drafter.device)
+        return self.drafter.round_trees(depth, shape["top_k"], shape["total"], roots), shape["depth"], feed
 
     def verify(self, trees: list) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One target forward of every row's tree (compacting the cache first when holes made it too long).
@@ -313,7 +319,7 @@ class _BatchLoop:
             planes.append(torch.stack([_padded(plane, nodes) for plane in row_planes]))
             processed.append(row_processed)
         host = torch.stack(planes).tolist()
-        kept, depths = [], []
+        kept, depths, following = [], [], []
         for b, (row, n) in enumerate(zip(self.rows, sizes)):
             mine = [plane[:n] for plane in host[b]]
             tokens = mine[0]
@@ -323,13 +329,18 @@ class _BatchLoop:
                                   self.eos)
             path = [0] + walk.accepted[: len(new) - 1]
             kept.append(path)
-            index = torch.tensor(path, device=features.device)
-            row.drafter.state.add(features[b : b + 1, index], torch.tensor(new, device=features.device))
+            following.append(new)
+            depths.append(min(max(mine[2]), max(self.max_length - len(row.ids) - 1, 0)))  # drafted, as far as usable
             row.ids += new
             row.scores += walk.scores[: len(new)]
             row.logits += walk.logits[: len(new)]
-            depths.append(max(mine[2]))
             row.stats.record(depths[-1], len(new) - 1)
+        # The accepted paths' features wait for the draft's next feed (one block for the batch, right-padded).
+        width = max(len(p) for p in kept)
+        index = torch.tensor([p + [0] * (width - len(p)) for p in kept], device=features.device)
+        tokens = torch.tensor([t + [0] * (width - len(t)) for t in following], device=features.device)
+        self.drafter.add(features.gather(1, index[..., None].expand(-1, -1, features.shape[-1])), tokens,
+                         [len(p) for p in kept])
         return kept, depths
 
     def commit(self, kept: list, start: int) -> None:
@@ -358,8 +369,9 @@ class _BatchLoop:
             else:
                 remaining.append(row)
         if len(remaining) < len(self.rows):
-            keep = torch.tensor([i for i, r in enumerate(self.rows) if r in remaining], dtype=torch.long,
-                                device=self.device)
+            kept = [i for i, r in enumerate(self.rows) if r in remaining]
+            self.drafter.keep_rows(kept)
+            keep = torch.tensor(kept, dtype=torch.long, device=self.device)
             keep_rows(self.cache, keep)
             self.valid, self.positions = self.valid[keep], self.positions[keep]
         self.rows = remaining
@@ -379,18 +391,6 @@ def _padded(values: torch.Tensor, n: int) -> torch.Tensor:
     if values.shape[0] == n:
         return values
     return torch.cat([values, values[:1].expand(n - values.shape[0])])
-
-
-def _draft(row: _Row, shape: dict, max_length: int) -> DraftTree:
-    """Feed the row's verified positions to its draft and draft its tree (a lone root when no room is left)."""
-    depth = min(shape["depth"], max_length - len(row.ids) - 1)
-    drafter = row.drafter
-    root = torch.tensor(row.ids[-1:], dtype=torch.long, device=drafter.device)
-    if depth < 1:  # the feed waits in the draft state
-        return DraftTree.root_only(root)
-    drafter.feed()
-    candidates = drafter.expand(depth, shape["top_k"])
-    return drafter.select(candidates, root, shape["total"])
 
 
 def _row_processor(processors, row: _Row, batch_size: int, device):

@@ -83,11 +83,8 @@ class Eagle3Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        if cache is not None and hasattr(cache, "attend"):  # structured attention (training-time test)
-            if self.sliding_window is not None:
-                raise ValueError("Training a sliding-window draft is not supported (the training-time-test attention "
-                                 "has no window): set `draft_sliding_window = None` to train a full-attention draft.")
-            out = cache.attend(q, k, v)
+        if cache is not None and hasattr(cache, "attend"):  # the cache owns the write and the mask (TTT, rows)
+            out = cache.attend(q, k, v, self.sliding_window)
             return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
         past = cache.get_seq_length() if cache is not None else 0
         window = self.sliding_window

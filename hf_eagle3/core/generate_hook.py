@@ -59,23 +59,27 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_active_call"
 # The drafter classes of this context (None: the defaults); set by `use_drafting`.
 _GENERATOR_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_generator_class", default=None)
 _TREE_DRAFTER_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_tree_drafter_class", default=None)
+_BATCH_DRAFTER_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_batch_drafter_class", default=None)
 _FEATURE_SOURCE: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_feature_source", default=None)
 FEATURE_SOURCES = ("outputs", "hooks")
 
 
 @contextlib.contextmanager
-def use_drafting(chain=None, tree=None, features=None):
+def use_drafting(chain=None, tree=None, features=None, batch=None):
     """
     Within the block, EAGLE-3 calls of ``generate`` draft with ``chain`` (a subclass of
-    :class:`Eagle3CandidateGenerator` taking the same arguments) and/or ``tree`` (a subclass of
-    :class:`~hf_eagle3.core.tree_drafter.Eagle3TreeDrafter`) instead of the defaults: how benchmarks swap in instrumented
+    :class:`Eagle3CandidateGenerator` taking the same arguments), ``tree`` (a subclass of
+    :class:`~hf_eagle3.core.tree_drafter.Eagle3TreeDrafter`, for one sequence) and/or ``batch`` (a subclass of
+    :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`, for batches) instead of the defaults: how benchmarks swap in instrumented
     drafting (e.g. ``hf-eagle3 bench --oracle``) without another code path. ``features="hooks"`` makes chain drafting
     take the target's features from forward hooks even where Transformers can hand them over (how the two sources
     are compared); ``"outputs"`` asks for the protocol and fails on releases that lack it.
 
     Args:
         chain (`type`, *optional*): the chain candidate generator class.
-        tree (`type`, *optional*): the tree drafter class.
+        tree (`type`, *optional*): the tree drafter class (batch 1; a batched call inside the block raises unless
+            ``batch`` is given too).
+        batch (`type`, *optional*): the batch drafter class.
         features (`str`, *optional*): ``"outputs"`` or ``"hooks"`` (default: see :func:`chain_feature_source`).
     """
     if features is not None and features not in FEATURE_SOURCES:
@@ -83,7 +87,7 @@ def use_drafting(chain=None, tree=None, features=None):
     if features == "outputs" and not compat.SELECTS_HIDDEN_STATES:
         raise ValueError(f"features='outputs' needs transformers>=5.25 (installed: {compat.transformers.__version__}).")
     tokens = [(_GENERATOR_CLASS, _GENERATOR_CLASS.set(chain)), (_TREE_DRAFTER_CLASS, _TREE_DRAFTER_CLASS.set(tree)),
-              (_FEATURE_SOURCE, _FEATURE_SOURCE.set(features))]
+              (_FEATURE_SOURCE, _FEATURE_SOURCE.set(features)), (_BATCH_DRAFTER_CLASS, _BATCH_DRAFTER_CLASS.set(batch))]
     try:
         yield
     finally:
@@ -260,8 +264,12 @@ def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
             f"EAGLE-3 {'batches' if batched else 'trees'} keep only the accepted entries of the target's KV cache, "
             f"which the {len(recurrent)} recurrent / linear-attention layers of this target cannot do: {fix}."
         )
-    loop = eagle3_batched_decoding if batched else eagle3_tree_decoding
-    return loop(model, call, **named, drafter_class=_TREE_DRAFTER_CLASS.get() or Eagle3TreeDrafter)
+    if not batched:
+        return eagle3_tree_decoding(model, call, **named, drafter_class=_TREE_DRAFTER_CLASS.get() or Eagle3TreeDrafter)
+    if _TREE_DRAFTER_CLASS.get() is not None and _BATCH_DRAFTER_CLASS.get() is None:
+        raise ValueError(f"use_drafting(tree={_TREE_DRAFTER_CLASS.get().__name__}) drafts one sequence at a time; this "
+                         "call has a batch: pass batch=<a subclass of Eagle3BatchTreeDrafter> as well.")
+    return eagle3_batched_decoding(model, call, **named, drafter_class=_BATCH_DRAFTER_CLASS.get())
 
 
 LOOP_ARGUMENTS = compat.ASSISTED_DECODING_PARAMS

@@ -50,8 +50,15 @@ class TTTAttention:
         """Number of steps' keys held (each of the full sequence length)."""
         return sum(k.shape[2] for k in self.keys)
 
-    def attend(self, q, k, v):
-        """Store this step's ``k``/``v`` ([B, kv_heads, m, D]) and attend ``q`` ([B, heads, m, D]) over all steps."""
+    def attend(self, q, k, v, window=None):
+        """Store this step's ``k``/``v`` ([B, kv_heads, m, D]) and attend ``q`` ([B, heads, m, D]) over all steps.
+
+        Raises:
+            ValueError: for a sliding-window draft (``window`` not ``None``): this attention has no window.
+        """
+        if window is not None:
+            raise ValueError("Training a sliding-window draft is not supported (the training-time-test attention "
+                             "has no window): set `draft_sliding_window = None` to train a full-attention draft.")
         self.keys.append(k)
         self.values.append(v)
         groups = q.shape[1] // k.shape[1]

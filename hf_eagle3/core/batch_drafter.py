@@ -1,0 +1,232 @@
+"""Drafting for a batch: :class:`Eagle3BatchTreeDrafter` runs one draft forward per step for all the rows at once
+(the feed of the verified positions, then each level of the trees), with ragged rows handled on the device.
+
+It drafts what :class:`~hf_eagle3.core.tree_drafter.Eagle3TreeDrafter` drafts for each row alone (the same candidates,
+the same selection): chains are trees with one child per node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .draft_cache import Eagle3RowCache
+from .logits_process import Eagle3D2TLogitsProcessor
+from .tree_drafter import DraftTree, Eagle3TreeDrafter
+
+
+class Eagle3BatchTreeDrafter:
+    r"""
+    Drafts a tree (or a chain) for every row of a batch, with one draft forward per step for the whole batch.
+
+    The verified positions of each row wait in :meth:`add` until the next :meth:`feed`, which runs them through the
+    draft in one forward (rows right-padded to the longest feed; each row writes position ``p`` at column ``p`` of an
+    :class:`~hf_eagle3.core.draft_cache.Eagle3RowCache`). :meth:`expand` then grows every row's candidates level by
+    level (``top_k`` frontier nodes per row, one forward per level, a shared region of the cache after the longest
+    row), and :meth:`select` keeps each row's best ``total`` candidates, closed under parents. Nothing in it reads a
+    value back to the host.
+
+    Args:
+        draft (`Eagle3DraftModel`): the draft, bound to the target.
+        rows (`int`): batch size.
+        capacity (`int`): draft cache columns to preallocate (the longest row's positions plus a round's tree).
+    """
+
+    def __init__(self, draft, rows: int, capacity: int):
+        self.draft = draft
+        self.device, self.dtype = draft.fc.weight.device, draft.fc.weight.dtype
+        self.window = draft.config.draft_sliding_window
+        self.cache = Eagle3RowCache(rows, capacity, self.window)
+        self.d2t = Eagle3D2TLogitsProcessor(draft.d2t, draft.config.vocab_size)
+        self.fed = [0] * rows  # positions of each row in the draft cache (host ints: known from the accepted counts)
+        self._fed = torch.zeros(rows, dtype=torch.long, device=self.device)  # the same, on the device
+        self._pending = []  # blocks (features [B, w, 3T], tokens [B, w], counts list[int]) not fed yet
+        self._hidden = None  # [B, 1, H]: each row's output at its last fed position
+        self._logits = None  # [B, draft_vocab]: the scores there
+
+    @property
+    def rows(self) -> int:
+        """Rows in the batch."""
+        return len(self.fed)
+
+    def num_pending(self, row: int) -> int:
+        """Verified positions of ``row`` not fed to the draft yet.
+
+        Args:
+            row (`int`): the row.
+        """
+        return sum(counts[row] for _, _, counts in self._pending)
+
+    def add(self, features: torch.Tensor, tokens: torch.LongTensor, counts: list) -> None:
+        """
+        Keep verified positions pending, after those already pending: row ``b``'s first ``counts[b]`` entries.
+
+        Args:
+            features (`torch.Tensor` [B, w, 3T]): their target features (any device and dtype).
+            tokens (`torch.LongTensor` [B, w]): the token that follows each of them (target vocabulary).
+            counts (`list[int]`): real entries per row (the rest is padding).
+        """
+        self._pending.append((features.to(device=self.device, dtype=self.dtype), tokens.to(self.device),
+                              list(counts)))
+
+    def _merged(self) -> tuple[torch.Tensor, torch.LongTensor, list]:
+        """The pending blocks as one right-padded block ``(features [B, W, 3T], tokens [B, W], counts)``."""
+        if len(self._pending) == 1:
+            return self._pending[0]
+        features = torch.cat([f for f, _, _ in self._pending], dim=1)
+        tokens = torch.cat([t for _, t, _ in self._pending], dim=1)
+        index, counts, offset = [[] for _ in range(self.rows)], [0] * self.rows, 0
+        for _, block, block_counts in self._pending:
+            for b, c in enumerate(block_counts):
+                index[b] += range(offset, offset + c)
+                counts[b] += c
+            offset += block.shape[1]
+        width = max(max(counts), 1)
+        index = torch.tensor([i + [0] * (width - len(i)) for i in index], device=self.device)
+        features = features.gather(1, index[..., None].expand(-1, -1, features.shape[-1]))
+        return features, tokens.gather(1, index), counts
+
+    def feed(self) -> None:
+        """
+        Drop the previous round's speculative entries and run the draft over every row's pending positions in one
+        forward; keep each row's output at its last one (the root of its next tree).
+        """
+        features, tokens, counts = self._merged()
+        self._pending = []
+        rows, width = tokens.shape
+        start = max(self.fed)
+        self.cache.truncate(start)
+        offsets = torch.arange(width, device=self.device)
+        columns = self._fed[:, None] + offsets  # [B, W]: row b's j-th entry at position fed[b] + j
+        keys = torch.arange(start + width, device=self.device)
+        mask = keys[None, None, :] <= columns[:, :, None]  # causal over the row's own positions
+        if self.window is not None:
+            mask &= keys[None, None, :] > columns[:, :, None] - self.window
+        self.cache.place(columns, mask[:, None])
+        out = self.draft(input_ids=tokens, target_features=features, position_ids=columns, cache=self.cache,
+                         logits_to_keep=-1)
+        counts_device = torch.tensor(counts, device=self.device)
+        last = (counts_device - 1).clamp(min=0)
+        hidden = out.hidden_states.gather(1, last[:, None, None].expand(-1, 1, out.hidden_states.shape[-1]))
+        self._hidden, self._logits = hidden, self.draft.compute_logits(hidden)[:, 0]
+        self.fed = [f + c for f, c in zip(self.fed, counts)]
+        self._fed = self._fed + counts_device
+
+    def expand(self, depth: int, top_k: int):
+        """
+        Grow every row's candidates for ``depth`` levels (``depth - 1`` draft forwards of ``B x top_k`` tokens).
+
+        Args:
+            depth (`int`): levels of the trees (>= 1).
+            top_k (`int`): children per expanded node, and frontier width (capped at the draft vocabulary).
+
+        Returns:
+            ``(scores [B, M], draft_ids [B, M], parents [B, M], depths [M], levels)``: as
+            :meth:`Eagle3TreeDrafter.expand` returns for one row (the depths are the same for every row).
+        """
+        device, rows = self.device, self.rows
+        start = max(self.fed)
+        self.cache.truncate(start)
+        logp = torch.log_softmax(self._logits.float(), dim=-1)
+        k = min(top_k, logp.shape[-1])
+        scores, ids = logp.topk(k, dim=-1)  # [B, k]
+        all_scores, all_ids = [scores], [ids]
+        all_parents = [torch.zeros(rows, k, dtype=torch.long, device=device)]
+        all_depths = [torch.ones(k, dtype=torch.long, device=device)]
+        frontier = torch.arange(1, k + 1, device=device).expand(rows, k)  # candidate numbers of each row's frontier
+        hidden = self._hidden.expand(rows, k, self._hidden.shape[-1])
+        eye = torch.eye(k, dtype=torch.bool, device=device)
+        columns = torch.arange(start, device=device)[None, :]
+        past = (columns < self._fed[:, None])[:, None, :].expand(rows, k, start)  # each row's own positions
+        ancestors = torch.zeros(rows, k, 0, dtype=torch.bool, device=device)  # frontier x earlier tree entries
+        base = 1 + k
+        for level in range(1, depth):
+            seen = past
+            if self.window is not None:  # the positions this level's queries (at fed - 1 + level) still see
+                seen = past & (columns > self._fed[:, None] - 1 + level - self.window)[:, None, :]
+            mask = torch.cat([seen, ancestors, eye.expand(rows, k, k)], dim=-1)
+            self.cache.place_shared(start + (level - 1) * k, mask[:, None])
+            out = self.draft(input_ids=self.d2t.map_tokens(ids), hidden_states=hidden,
+                             position_ids=(self._fed - 1 + level)[:, None].expand(rows, k), cache=self.cache)
+            child_logp, child_ids = torch.log_softmax(out.logits.float(), dim=-1).topk(k, dim=-1)  # [B, k, k]
+            child_scores = (scores[:, :, None] + child_logp).flatten(1)
+            child_ids = child_ids.flatten(1)
+            all_scores.append(child_scores)
+            all_ids.append(child_ids)
+            all_parents.append(frontier.repeat_interleave(k, dim=1))
+            all_depths.append(torch.full((k * k,), level + 1, dtype=torch.long, device=device))
+            if level == depth - 1:
+                break
+            scores, best = child_scores.topk(k, dim=-1)
+            slot = best // k  # each new frontier node's parent, by its place in the current frontier
+            frontier, ids = base + best, child_ids.gather(1, best)
+            hidden = out.hidden_states.gather(1, slot[..., None].expand(-1, -1, out.hidden_states.shape[-1]))
+            ancestors = torch.cat([ancestors.gather(1, slot[..., None].expand(-1, -1, ancestors.shape[-1])),
+                                   eye[slot]], dim=-1)
+            base += k * k
+        return (torch.cat(all_scores, dim=1), torch.cat(all_ids, dim=1), torch.cat(all_parents, dim=1),
+                torch.cat(all_depths), len(all_ids))
+
+    def select(self, candidates, roots: torch.LongTensor, total: int) -> list:
+        """
+        Keep each row's ``total`` best candidates (closed under parents) and build its tree around its root.
+
+        Args:
+            candidates: what :meth:`expand` returned.
+            roots (`torch.LongTensor` [B]): each row's last token.
+            total (`int`): nodes to keep per row besides the root (at most the number of candidates).
+
+        Returns:
+            `list[DraftTree]`: one per row, each of ``min(total, M) + 1`` nodes.
+        """
+        scores, ids, parents, depths, levels = candidates
+        rows, device = scores.shape[0], self.device
+        key = Eagle3TreeDrafter.ranking_key(scores, depths[None, :].expand_as(scores))
+        n = min(int(total), key.shape[1])
+        chosen = key.topk(n, dim=-1).indices.sort(dim=-1).values  # [B, n], level order: parents first
+        order = torch.arange(1, n + 1, device=device).expand(rows, n)
+        number = torch.zeros(rows, key.shape[1] + 1, dtype=torch.long, device=device).scatter(1, chosen + 1, order)
+        zero = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        tree_parents = torch.cat([zero, number.gather(1, parents.gather(1, chosen))], dim=1)
+        tree_depths = torch.cat([zero, depths[chosen]], dim=1)
+        tokens = torch.cat([roots.view(rows, 1).to(device), self.d2t.map_tokens(ids.gather(1, chosen))], dim=1)
+        max_depth = min(n, levels)
+        ancestors = torch.eye(n + 1, dtype=torch.bool, device=device).repeat(rows, 1, 1)
+        node = torch.arange(n + 1, device=device).expand(rows, n + 1)
+        for _ in range(max_depth):
+            node = tree_parents.gather(1, node)
+            ancestors.scatter_(2, node[..., None], True)
+        chosen_scores = scores.gather(1, chosen)
+        return [DraftTree(tokens[b], tree_parents[b], tree_depths[b], ancestors[b], chosen_scores[b], max_depth)
+                for b in range(rows)]
+
+    def round_trees(self, depth: int, top_k: int, total: int, roots: torch.LongTensor) -> list:
+        """
+        Feed the pending positions and draft every row's tree (lone roots when ``depth`` < 1: the feed waits).
+
+        Args:
+            depth (`int`): levels of the trees.
+            top_k (`int`): children per expanded node.
+            total (`int`): nodes per tree besides the root.
+            roots (`torch.LongTensor` [B]): each row's last token.
+
+        Returns:
+            `list[DraftTree]`: one per row.
+        """
+        if depth < 1:
+            return [DraftTree.root_only(roots[b : b + 1]) for b in range(roots.shape[0])]
+        self.feed()
+        return self.select(self.expand(depth, top_k), roots, total)
+
+    def keep_rows(self, keep: list) -> None:
+        """
+        Keep the given rows, in that order (finished rows leave the batch).
+
+        Args:
+            keep (`list[int]`): row indices.
+        """
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.cache.keep_rows(index)
+        self.fed, self._fed = [self.fed[i] for i in keep], self._fed[index]
+        self._pending = [(f[index], t[index], [c[i] for i in keep]) for f, t, c in self._pending]
+        if self._hidden is not None:
+            self._hidden, self._logits = self._hidden[index], self._logits[index]

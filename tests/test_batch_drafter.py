@@ -1,0 +1,104 @@
+"""The batch drafter drafts, for every row at once, what the one-sequence tree drafter drafts for that row alone.
+
+Rows of different lengths are fed ragged blocks (each row's positions at its own columns of the row cache), rounds
+that draft nothing leave their blocks pending (merged at the next feed), and rows leave the batch; at every round
+each row's tree (tokens, parents, depths, ancestors) equals the one :class:`Eagle3TreeDrafter` builds for that row,
+and every tree is closed under parents. Sliding-window drafts and drafts with a smaller vocabulary are included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import cached_target, tiny_draft
+
+from hf_eagle3.core.batch_drafter import Eagle3BatchTreeDrafter
+from hf_eagle3.core.tree_drafter import Eagle3TreeDrafter
+
+
+def decisive_draft(**overrides):
+    """A random draft whose scores are spread out (no near-ties for top-k to break differently by rounding)."""
+    target = cached_target("llama")
+    draft = tiny_draft(target, **overrides)
+    draft.bind_target(target)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(40.0)
+        draft.fc.weight.mul_(4.0)
+    return draft
+
+
+def assert_closed(tree):
+    parents, depths, ancestors = tree.parents.tolist(), tree.depths.tolist(), tree.ancestors.tolist()
+    for i in range(1, len(parents)):
+        assert parents[i] < i and depths[i] == depths[parents[i]] + 1, (parents, depths)
+        chain, j = {i}, i
+        while j:
+            j = parents[j]
+            chain.add(j)
+        assert {c for c, seen in enumerate(ancestors[i]) if seen} == chain, (i, parents, ancestors[i])
+
+
+def assert_same_tree(batched, alone):
+    assert_closed(batched)
+    for name in ("tokens", "parents", "depths", "ancestors"):
+        assert torch.equal(getattr(batched, name), getattr(alone, name)), name
+    assert batched.max_depth == alone.max_depth
+
+
+def padded(blocks: list) -> tuple:
+    """Right-pad per-row ``(features [f, 3T], tokens [f])`` into one block."""
+    width = max(t.shape[0] for _, t in blocks)
+    features = torch.zeros(len(blocks), width, blocks[0][0].shape[-1])
+    tokens = torch.zeros(len(blocks), width, dtype=torch.long)
+    for b, (f, t) in enumerate(blocks):
+        features[b, : t.shape[0]], tokens[b, : t.shape[0]] = f, t
+    return features, tokens, [t.shape[0] for _, t in blocks]
+
+
+@pytest.mark.parametrize("shape", [(4, 1, 4), (4, 3, 8), (3, 4, 12)], ids=["chain", "tree", "wide"])
+@pytest.mark.parametrize("overrides", [{}, {"draft_vocab_size": 48}, {"draft_sliding_window": 6}],
+                         ids=["full", "small-vocab", "window"])
+def test_batch_trees_equal_each_row_drafted_alone(shape, overrides):
+    depth, top_k, total = shape
+    vocab_size = overrides.pop("draft_vocab_size", None)
+    draft = decisive_draft(draft_vocab_size=vocab_size, **overrides)
+    width = 3 * draft.config.target_hidden_size
+    g = torch.Generator().manual_seed(0)
+    rows = 4
+    alone = [Eagle3TreeDrafter(draft) for _ in range(rows)]
+    batch = Eagle3BatchTreeDrafter(draft, rows, capacity=8)  # small: the row cache must grow
+    live = list(range(rows))  # which of the original rows the batch still holds, in its order
+    feeds = [[9, 3, 14, 1], [2, 5, 1, 4], [1, 1, 3, 2], [5, 2, 2, 1], [3, 1, 4, 2], [2, 2, 1, 3]]
+    for step, counts in enumerate(feeds):
+        blocks = [(torch.randn(counts[r], width, generator=g), torch.randint(0, 256, (counts[r],), generator=g))
+                  for r in live]
+        for r, (f, t) in zip(live, blocks):
+            alone[r].state.add(f[None], t)
+        batch.add(*padded(blocks))
+        if step == 2:  # a round that drafts nothing: the blocks wait and are merged with the next
+            assert batch.round_trees(0, top_k, total, torch.zeros(len(live), dtype=torch.long))[0].max_depth == 0
+            continue
+        if step == 4:  # the second row finishes and leaves the batch
+            keep = [i for i, r in enumerate(live) if r != 1]
+            batch.keep_rows(keep)
+            live = [live[i] for i in keep]
+        roots = torch.randint(0, 256, (len(live),), generator=g)
+        trees = batch.round_trees(depth, top_k, total, roots)
+        for r, tree, root in zip(live, trees, roots):
+            drafter = alone[r]
+            drafter.feed()
+            expected = drafter.select(drafter.expand(depth, top_k), root.view(1), total)
+            assert_same_tree(tree, expected)
+        assert batch.fed == [alone[r].fed for r in live]
+
+
+def test_row_cache_refuses_another_window_and_a_forward_without_placement():
+    from hf_eagle3.core.draft_cache import Eagle3RowCache
+
+    cache = Eagle3RowCache(rows=1, capacity=4, window=8)
+    q = k = v = torch.zeros(1, 2, 1, 4)
+    with pytest.raises(RuntimeError, match="place"):
+        cache.attend(q, k, v, window=8)
+    cache.place_shared(0, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="sliding window of 8"):
+        cache.attend(q, k, v, window=None)
