@@ -176,6 +176,43 @@ def test_auto_schedule_is_lossless_with_its_own_choices():
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_tree_auto_sizes_every_round_and_stays_exact(arch, monkeypatch):
+    """``tree_total_tokens="auto"`` in a batch: one size per round for all rows, chosen by the tree-size chooser
+    (sizes of 1 to the most candidates, and rounds without a tree), every row exact."""
+    from hf_eagle3.core import tree_policy
+
+    sizes, skips = itertools.cycle([1, 5, 20, 2, 36]), itertools.cycle([True, True, False, True])
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", lambda self, probs: min(next(sizes), len(probs)))
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: next(skips))
+    target, draft = batch_target(arch), batch_draft(arch)
+    ids, mask = padded_batch((4, 13, 8, 2), seed=12)
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    settings = dict(tree_top_k=3, tree_depth=4, tree_total_tokens="auto")  # 30 candidates a round
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, assistant_model=draft,
+                          **settings)  # also times the target's forwards at this batch size, once
+    assert torch.equal(out, ref)
+    rounds = []  # nodes per row of each round's verify forward
+    original = batched_decoding.batch_tree_mask
+    monkeypatch.setattr(batched_decoding, "batch_tree_mask",
+                        lambda cache, valid, trees, nodes, dtype: rounds.append(nodes) or original(cache, valid, trees,
+                                                                                                 nodes, dtype))
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, assistant_model=draft,
+                          **settings)
+    assert torch.equal(out, ref)
+    assert rounds[0] == 17 and {1, 2, 3, 6, 21, 31} <= set(rounds), rounds  # first round, skips, each size + root
+    assert sum(s.num_rounds_without_draft for s in draft.last_batch_stats) > 0
+
+
+def test_tree_auto_in_batches_is_lossless_with_its_own_choices():
+    target, draft = batch_target("qwen3"), batch_draft("qwen3")
+    ids, mask = padded_batch((5, 9, 3, 7), seed=13)
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, assistant_model=draft,
+                          tree_top_k=4, tree_depth=3, tree_total_tokens="auto")
+    assert torch.equal(out, ref)
+
+
 def test_sliding_window_target_compacts_before_the_window(monkeypatch):
     """With a window just above max_length + a round, holes alone would push entries out of it: the loop compacts
     first, and every row stays exact."""

@@ -27,7 +27,8 @@ CEILINGS = {
     (path, size, sample): 0.0 if (path == "chain k=5" and size == 1) else 1.0
     for path in ("chain k=5", "tree 4x4x8") for size in (1, 2, 4, 8) for sample in (False, True)
 }
-CEILINGS.update({("chain auto", 2, False): 1.0, ("tree auto", 2, False): 1.0, ("chain auto", 2, True): 1.0})
+CEILINGS.update({("chain auto", 2, False): 1.0, ("chain auto", 2, True): 1.0, ("tree auto", 2, True): 1.0})
+CEILINGS.update({("tree auto", size, False): 1.0 for size in (2, 4, 8)})
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ class Eagle3BatchTreeDrafter:
         self._pending = []  # blocks (features [B, w, 3T], tokens [B, w], counts list[int]) not fed yet
         self._hidden = None  # [B, 1, H]: each row's output at its last fed position
         self._logits = None  # [B, draft_vocab]: the scores there
+        self.last_candidates = None  # what the last round's expand returned
 
     @property
     def rows(self) -> int:
@@ -97,11 +98,14 @@ class Eagle3BatchTreeDrafter:
         self.cache.truncate(start)
         offsets = torch.arange(width, device=self.device)
         columns = self._fed[:, None] + offsets  # [B, W]: row b's j-th entry at position fed[b] + j
-        keys = torch.arange(start + width, device=self.device)
-        mask = keys[None, None, :] <= columns[:, :, None]  # causal over the row's own positions
-        if self.window is not None:
-            mask &= keys[None, None, :] > columns[:, :, None] - self.window
-        self.cache.place(columns, mask[:, None])
+        if start == 0 and (self.window is None or width <= self.window):  # the first feed: plain causal attention
+            self.cache.place(columns, None)
+        else:
+            keys = torch.arange(start + width, device=self.device)
+            mask = keys[None, None, :] <= columns[:, :, None]  # causal over the row's own positions
+            if self.window is not None:
+                mask &= keys[None, None, :] > columns[:, :, None] - self.window
+            self.cache.place(columns, mask[:, None])
         out = self.draft(input_ids=tokens, target_features=features, position_ids=columns, cache=self.cache,
                          logits_to_keep=-1)
         counts_device = torch.tensor(counts, device=self.device)
@@ -212,10 +216,29 @@ class Eagle3BatchTreeDrafter:
         Returns:
             `list[DraftTree]`: one per row.
         """
+        self.last_candidates = None
         if depth < 1:
             return [DraftTree.root_only(roots[b : b + 1]) for b in range(roots.shape[0])]
         self.feed()
-        return self.select(self.expand(depth, top_k), roots, total)
+        self.last_candidates = self.expand(depth, top_k)
+        return self.select(self.last_candidates, roots, total)
+
+    @staticmethod
+    def path_probabilities(candidates) -> torch.Tensor:
+        """
+        The candidates' path probabilities (the draft's estimate of each one's chance to be accepted), sorted in
+        decreasing order in each row, then averaged over the rows: what a tree of ``N`` nodes is expected to accept
+        per row is the sum of the first ``N``.
+
+        Args:
+            candidates: what :meth:`expand` returned.
+
+        Returns:
+            `torch.DoubleTensor` [M].
+        """
+        scores, _, _, depths, _ = candidates
+        key = Eagle3TreeDrafter.ranking_key(scores, depths[None, :].expand_as(scores))
+        return key.exp().sort(dim=-1, descending=True).values.mean(0)
 
     def keep_rows(self, keep: list) -> None:
         """

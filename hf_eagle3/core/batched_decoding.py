@@ -22,16 +22,18 @@ import torch
 
 from .acceptance import clip_new_tokens, round_planes, walk_planes
 from .batch_drafter import Eagle3BatchTreeDrafter
-from .cost_model import measure_costs
+from .cost_model import measure_costs, target_costs
 from .draft_length_policy import Eagle3DraftLengthPolicy
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
 from .stats import Eagle3Stats
 from .stopping import HostStopping
 from .target_cache import batch_tree_mask, compact, decoding_cache, gather_entries, keep_rows, prefill, sliding_window
 from .transformers_compat import eos_token_ids
+from .tree_policy import AUTO_MAX_NODES, AUTO_SIZES, TreeSizeChooser
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
-TREE_AUTO_BATCHED = 16  # nodes per row when a batched call asks for tree_total_tokens="auto" (see docs/batching.md)
+TREE_AUTO_FIRST = 16  # nodes per row of a batched tree_total_tokens="auto" call's first round (nothing measured yet)
+PROBABILITY_SCALE = 1 << 24  # path probabilities travel to the host as integers in one transfer with the planes
 
 
 @dataclass(eq=False)
@@ -46,19 +48,22 @@ class _Row:
 
 
 def _round_shape(call, draft) -> dict:
-    """The drafting shape of the rounds: ``{"depth", "top_k", "total", "auto"}`` (a chain is ``top_k = 1``; with
-    ``"auto"`` the depth is the longest chain and a policy picks each round's).
+    """The drafting shape of the rounds: ``{"depth", "top_k", "total", "auto", "tree_auto", "most"}`` (a chain is
+    ``top_k = 1``; with ``"auto"`` the depth is the longest chain and a policy picks each round's; with
+    ``"tree_auto"`` a :class:`TreeSizeChooser` picks each round's ``total``, at most ``most``).
 
     Raises:
         ValueError: for chain settings batches do not implement (``"heuristic"`` schedules, a confidence threshold),
             before any work, naming what to use.
     """
     if call.tree is not None:
-        total = call.tree["total_tokens"]
+        depth, top_k, total = call.tree["depth"], call.tree["top_k"], call.tree["total_tokens"]
         if total == "auto":
-            total = TREE_AUTO_BATCHED
-        return {"depth": min(call.tree["depth"], total), "top_k": min(call.tree["top_k"], total), "total": total,
-                "auto": False}
+            most = min(AUTO_MAX_NODES, top_k + (depth - 1) * top_k * top_k)  # the candidates a round can have
+            return {"depth": depth, "top_k": top_k, "total": min(TREE_AUTO_FIRST, most), "auto": False,
+                    "tree_auto": True, "most": most}
+        return {"depth": min(depth, total), "top_k": min(top_k, total), "total": total, "auto": False,
+                "tree_auto": False, "most": total}
     settings = resolve_draft_settings(draft.generation_config, call.settings)
     schedule = settings.get("num_assistant_tokens_schedule", "constant")
     if schedule in ("heuristic", "heuristic_transient"):
@@ -74,7 +79,8 @@ def _round_shape(call, draft) -> dict:
             "the draft length from the acceptance seen), or generate one row at a time."
         )
     k = int(settings.get("num_assistant_tokens", DEFAULT_DRAFT_LENGTH))
-    return {"depth": k, "top_k": 1, "total": k, "auto": settings.get("num_assistant_tokens_schedule") == "auto"}
+    return {"depth": k, "top_k": 1, "total": k, "auto": settings.get("num_assistant_tokens_schedule") == "auto",
+            "tree_auto": False, "most": k}
 
 
 def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None) -> Eagle3DraftLengthPolicy:
@@ -180,7 +186,7 @@ def eagle3_batched_decoding(
         kept, depths = loop.accept(trees, logits, features)
         loop.commit(kept, start)
         loop.retire()
-        loop.observe(depths, kept, drafted, feed, time.perf_counter() - started)
+        loop.observe(trees, depths, kept, drafted, feed, time.perf_counter() - started)
     return _outputs(loop.finished, generation_config, input_ids, loop.run, GenerateDecoderOnlyOutput)
 
 
@@ -210,7 +216,7 @@ class _BatchLoop:
         self.cache_key, self.cache = decoding_cache(model_kwargs, generation_config, "Batched EAGLE-3 decoding")
         self.attention_mask = model_kwargs.get("attention_mask")
         self.pads = check_batch(input_ids, self.attention_mask, generation_config, self.cache,
-                                self.shape["total"] + 1).tolist()  # a host tensor
+                                self.shape["most"] + 1).tolist()  # a host tensor
         self.window = sliding_window(self.cache)
         self.run = _BatchRun(self.draft_model)
         call.generator = self.run
@@ -218,6 +224,11 @@ class _BatchLoop:
             self.run.policy = batch_policy(model, self.draft_model, input_ids,
                                            getattr(self.draft_model, "_draft_length_state", None))
             self.capture.clear()  # the timing forwards (once per target and batch size) went through the hooks
+        self.chooser = None  # tree_total_tokens="auto": one size per round for the batch
+        if self.shape["tree_auto"]:
+            self.chooser = TreeSizeChooser(target_costs(model, input_ids, sizes=AUTO_SIZES))
+            self.capture.clear()
+        self.path_probs = None  # "tree_auto": the round's candidates' path probabilities, mean over rows, sorted
         self.stopping_criteria = stopping_criteria
         self.host_stopping = HostStopping.of(stopping_criteria)
         self.do_sample = bool(generation_config.do_sample)
@@ -271,14 +282,20 @@ class _BatchLoop:
         Returns:
             ``(trees, drafted, feed)``: one `DraftTree` per row, the draft length asked for, the mean positions fed.
         """
-        shape, feed, policy = self.shape, 0, self.run.policy
+        shape, policy, chooser, drafter = self.shape, self.run.policy, self.chooser, self.drafter
+        feed = round(sum(drafter.num_pending(b) for b in range(len(self.rows))) / len(self.rows))
         if policy is not None:
-            feed = round(sum(self.drafter.num_pending(b) for b in range(len(self.rows))) / len(self.rows))
             k = policy.choose(shape["depth"], feed=feed)
             shape = dict(shape, depth=k, total=k)
         depth = min(shape["depth"], max(self.max_length - len(row.ids) - 1 for row in self.rows))
-        roots = torch.tensor([row.ids[-1] for row in self.rows], dtype=torch.long, device=self.drafter.device)
-        return self.drafter.round_trees(depth, shape["top_k"], shape["total"], roots), shape["depth"], feed
+        self.path_probs = None
+        if chooser is not None and depth >= 1 and not chooser.draft_this_round():
+            depth = 0  # a plain step for the batch; the feed waits
+        roots = torch.tensor([row.ids[-1] for row in self.rows], dtype=torch.long, device=drafter.device)
+        trees = drafter.round_trees(depth, shape["top_k"], shape["total"], roots)
+        if chooser is not None and depth >= 1:
+            self.path_probs = drafter.path_probabilities(drafter.last_candidates)
+        return trees, shape["depth"] if depth >= 1 else 0, feed
 
     def verify(self, trees: list) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One target forward of every row's tree (compacting the cache first when holes made it too long).
@@ -318,7 +335,7 @@ class _BatchLoop:
             row_planes, row_processed = round_planes(tree, logits[b, :n], self.do_sample, self.processors)
             planes.append(torch.stack([_padded(plane, nodes) for plane in row_planes]))
             processed.append(row_processed)
-        host = torch.stack(planes).tolist()
+        host = self._read_back(torch.stack(planes))
         kept, depths, following = [], [], []
         for b, (row, n) in enumerate(zip(self.rows, sizes)):
             mine = [plane[:n] for plane in host[b]]
@@ -342,6 +359,18 @@ class _BatchLoop:
         self.drafter.add(features.gather(1, index[..., None].expand(-1, -1, features.shape[-1])), tokens,
                          [len(p) for p in kept])
         return kept, depths
+
+    def _read_back(self, planes: torch.Tensor) -> list:
+        """``planes`` [B, P, N] as nested host lists, in one transfer with the round's path probabilities (kept as
+        :attr:`path_probs`, a host list) when ``"auto"`` sizes the trees."""
+        if self.path_probs is None:
+            return planes.tolist()
+        scaled = (self.path_probs.double() * PROBABILITY_SCALE).round().long().to(planes.device)
+        values = torch.cat([planes.flatten(), scaled]).tolist()
+        rows, count, width = planes.shape
+        self.path_probs = [v / PROBABILITY_SCALE for v in values[rows * count * width :]]
+        return [[values[(b * count + p) * width : (b * count + p + 1) * width] for p in range(count)]
+                for b in range(rows)]
 
     def commit(self, kept: list, start: int) -> None:
         """The target cache keeps each row's accepted path; a shorter path than the longest leaves holes."""
@@ -376,14 +405,24 @@ class _BatchLoop:
             self.valid, self.positions = self.valid[keep], self.positions[keep]
         self.rows = remaining
 
-    def observe(self, depths: list, kept: list, drafted: int, feed: int, seconds: float) -> None:
-        """For "auto": the round's acceptance (every row: its tree's depth and the nodes kept) and wall time."""
-        policy = self.run.policy
-        if policy is None:
+    def observe(self, trees: list, depths: list, kept: list, drafted: int, feed: int, seconds: float) -> None:
+        """For "auto": the round's acceptance (every row: its tree's depth and the nodes kept) and wall time; with
+        ``tree_total_tokens="auto"``, the size of the next round's trees."""
+        policy, chooser = self.run.policy, self.chooser
+        if policy is not None:
+            for depth, path in zip(depths, kept):
+                policy.observe(depth, len(path) - 1)
+            policy.observe_time(drafted, seconds, feed=feed)
+        if chooser is None:
             return
-        for depth, path in zip(depths, kept):
-            policy.observe(depth, len(path) - 1)
-        policy.observe_time(drafted, seconds, feed=feed)
+        if not drafted:
+            chooser.update_plain(seconds)
+            return
+        total, probs = trees[0].tokens.shape[0] - 1, self.path_probs
+        accepted = sum(len(path) - 1 for path in kept) / len(kept)  # per row, as the probabilities are
+        chooser.update(sum(probs[:total]), accepted, max(seconds - chooser.target_seconds(total + 1), 0.0),
+                       draft_forwards=trees[0].max_depth, round_seconds=seconds, fed=feed)
+        self.shape = dict(self.shape, total=chooser.choose(probs))
 
 
 def _padded(values: torch.Tensor, n: int) -> torch.Tensor:

@@ -124,13 +124,15 @@ class Eagle3RowCache:
         """Columns in use (the widest row's positions plus the speculative region)."""
         return self.length
 
-    def place(self, columns: torch.LongTensor, mask: torch.BoolTensor) -> None:
+    def place(self, columns: torch.LongTensor, mask: torch.BoolTensor | None) -> None:
         """
         The next forward writes row ``b``'s ``j``-th entry at ``columns[b, j]`` and attends with ``mask``.
 
         Args:
             columns (`torch.LongTensor` [B, n]): per-row columns.
-            mask (`torch.BoolTensor` [B, 1, n, width]): True = attend; ``width`` is the cache's width after the write.
+            mask (`torch.BoolTensor` [B, 1, n, width] or `None`): True = attend; ``width`` is the cache's width after
+                the write. ``None``: every row writes columns ``0 .. n - 1`` and attends causally (a first feed: the
+                attention kernel applies the mask, none is built).
         """
         self._columns, self._mask = columns, mask
 
@@ -192,7 +194,7 @@ class Eagle3RowCache:
         if columns is None:
             raise RuntimeError("Eagle3RowCache: call place() or place_shared() before each draft forward.")
         self._columns = self._mask = None
-        width = mask.shape[-1]
+        width = mask.shape[-1] if mask is not None else k.shape[2]
         self._reserve(k, width)
         if isinstance(columns, int):
             self.keys[:, :, columns : columns + k.shape[2]] = k
@@ -203,5 +205,5 @@ class Eagle3RowCache:
             self.values.scatter_(2, index, v)
         self.length = max(self.length, width)
         return torch.nn.functional.scaled_dot_product_attention(
-            q, self.keys[:, :, :width], self.values[:, :, :width], attn_mask=mask,
+            q, self.keys[:, :, :width], self.values[:, :, :width], attn_mask=mask, is_causal=mask is None,
             enable_gqa=q.shape[1] != k.shape[1])

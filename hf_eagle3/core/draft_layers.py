@@ -92,14 +92,17 @@ class Eagle3Attention(nn.Module):
             positions = torch.arange(past, past + n, device=x.device)
         if cache is not None:
             k, v = cache.update(k, v) if window is None else cache.update(k, v, positions)
+        causal = False
         if window is not None and past + n > window:  # some key may lie outside the window
             keys_at = cache.key_positions() if cache is not None else positions
             attention_mask = sliding_window_mask(attention_mask, positions, keys_at, window, past)
+        elif attention_mask is None and n > 1 and past == 0:
+            causal = True  # no [n, n] mask: the kernel applies it (a prompt's feed)
         elif attention_mask is None and n > 1:
             qpos = torch.arange(past, past + n, device=x.device)[:, None]
             attention_mask = torch.arange(past + n, device=x.device)[None, :] <= qpos
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, enable_gqa=self.num_kv_heads != self.num_heads
+            q, k, v, attn_mask=attention_mask, is_causal=causal, enable_gqa=self.num_kv_heads != self.num_heads
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
 

@@ -1,0 +1,123 @@
+"""Per-round cost of EAGLE-3 rounds at long prompts, and the memory of the draft's prompt feed.
+
+For each prompt length (a document built from the training prompts, then a question about it, in SmolLM2's chat
+template), times ``generate`` with the shipped draft at two ``max_new_tokens`` and reports the marginal time per round
+(the difference of the two calls over the difference of their target forwards), so that the prefill and the prompt's
+feed cancel; plain ``generate`` the same way, per token. Then, in a fresh process per length, the peak resident
+memory that the draft's feed of the prompt's positions adds (random features; the draft alone).
+
+    python dev/long_context.py --lengths 1024,8000 --out long_context.json
+
+Prints the CPU flags first. Not a test: a measurement for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+FEED_PROBE = """
+import resource, sys, torch
+import hf_eagle3
+from hf_eagle3.core.draft_cache import Eagle3KVCache
+from hf_eagle3.loading import load_draft
+from hf_eagle3.smollm2 import load_smollm2
+target, _ = load_smollm2()
+draft, _, _ = load_draft(None, target)
+n = int(sys.argv[1])
+ids = torch.randint(0, draft.config.vocab_size, (1, n))
+feats = torch.randn(1, n, draft.fc.weight.shape[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with torch.no_grad():
+    draft(input_ids=ids, target_features=feats, cache=Eagle3KVCache(), logits_to_keep=1)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) / 1024)
+"""
+
+
+def cpu_flags() -> str:
+    """The CPU model and the flags that matter for these timings (AVX2, AVX-512, bf16, AMX)."""
+    model, flags = "", set()
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name") and not model:
+            model = line.split(":", 1)[1].strip()
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    keep = sorted(f for f in flags if f.startswith(("avx", "amx")) or "bf16" in f or f == "fma")
+    return f"{model}: {' '.join(keep)}"
+
+
+def long_prompt(tok, tokens: int) -> torch.LongTensor:
+    """A chat prompt of about ``tokens`` tokens: a document of training prompts, then a question about it."""
+    lines = [json.loads(x)["prompt"] for x in open("../shared/data/train_prompts.jsonl")]
+    document, i = [], 0
+    while len(tok("\n\n".join(document)).input_ids) < tokens - 64:
+        document.append(lines[i % len(lines)])
+        i += 1
+    text = "\n\n".join(document) + "\n\nSummarise the requests above in a few sentences."
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    return ids[:, -tokens:] if ids.shape[1] > tokens else ids
+
+
+def timed(target, ids, **kwargs) -> tuple[float, int]:
+    """Seconds of one ``generate`` call and its target forwards (rounds)."""
+    draft = kwargs.get("assistant_model")
+    start = time.perf_counter()
+    with torch.no_grad():
+        target.generate(ids, do_sample=False, **kwargs)
+    seconds = time.perf_counter() - start
+    rounds = draft.last_stats.num_target_forwards if draft is not None else kwargs["max_new_tokens"]
+    return seconds, rounds
+
+
+def main() -> None:
+    """Run the measurement and write the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="1024,8000", help="prompt lengths in tokens (default 1024,8000)")
+    parser.add_argument("--new-tokens", default="16,48", help="the two max_new_tokens (default 16,48)")
+    parser.add_argument("--out", default="long_context.json")
+    args = parser.parse_args()
+    import hf_eagle3  # noqa: F401  (installs the generate hook)
+    from hf_eagle3.loading import load_draft
+    from hf_eagle3.smollm2 import load_smollm2
+
+    print(cpu_flags(), flush=True)
+    target, tok = load_smollm2()
+    draft, _, _ = load_draft(None, target)
+    short, long = (int(x) for x in args.new_tokens.split(","))
+    strategies = {"plain": {}, "chain k=3": dict(num_assistant_tokens=3, num_assistant_tokens_schedule="constant"),
+                  "tree 4x4x8": dict(tree_top_k=4, tree_depth=4, tree_total_tokens=8)}
+    report = {"cpu": cpu_flags(), "torch_threads": torch.get_num_threads(), "new_tokens": [short, long], "rows": []}
+    for length in (int(x) for x in args.lengths.split(",")):
+        ids = long_prompt(tok, length)
+        row = {"prompt_tokens": ids.shape[1]}
+        for name, settings in strategies.items():
+            kwargs = dict(settings, assistant_model=draft) if settings else {}
+            timed(target, ids, max_new_tokens=4, **kwargs)  # warm-up
+            s1, r1 = timed(target, ids, max_new_tokens=short, **kwargs)
+            s2, r2 = timed(target, ids, max_new_tokens=long, **kwargs)
+            row[name] = {"seconds_per_round": (s2 - s1) / max(r2 - r1, 1), "rounds": [r1, r2]}
+            if settings:
+                row[name]["acceptance_length"] = draft.last_stats.mean_acceptance_length
+        feed = subprocess.run([sys.executable, "-c", FEED_PROBE, str(ids.shape[1])], capture_output=True, text=True)
+        row["draft_feed_peak_mib"] = float(feed.stdout.strip().splitlines()[-1]) if feed.returncode == 0 else None
+        report["rows"].append(row)
+        plain = row["plain"]["seconds_per_round"]
+        print(f"prompt {row['prompt_tokens']}: " + ", ".join(
+            f"{n} {row[n]['seconds_per_round'] / plain:.2f}x a plain step" for n in strategies)
+            + f"; draft feed peak +{row['draft_feed_peak_mib']} MiB", flush=True)
+    first, last = report["rows"][0], report["rows"][-1]
+    for name in strategies:
+        growth = last[name]["seconds_per_round"] / first[name]["seconds_per_round"]
+        print(f"{name}: a round at {last['prompt_tokens']} tokens costs {growth:.2f}x one at {first['prompt_tokens']}")
+    json.dump(report, open(args.out, "w"), indent=2)
+
+
+if __name__ == "__main__":
+    main()
