@@ -11,7 +11,7 @@ import torch
 
 from .draft_cache import Eagle3RowCache
 from .logits_process import Eagle3D2TLogitsProcessor
-from .tree_drafter import DraftTree, Eagle3TreeDrafter
+from .tree_drafter import DraftTree, Eagle3TreeDrafter, grow_candidates, select_trees
 
 
 class Eagle3BatchTreeDrafter:
@@ -124,51 +124,27 @@ class Eagle3BatchTreeDrafter:
             top_k (`int`): children per expanded node, and frontier width (capped at the draft vocabulary).
 
         Returns:
-            ``(scores [B, M], draft_ids [B, M], parents [B, M], depths [M], levels)``: as
-            :meth:`Eagle3TreeDrafter.expand` returns for one row (the depths are the same for every row).
+            ``(scores [B, M], draft_ids [B, M], parents [B, M], depths [M], levels)``: see
+            :func:`~hf_eagle3.core.tree_drafter.grow_candidates`.
         """
         device, rows = self.device, self.rows
         start = max(self.fed)
         self.cache.truncate(start)
-        logp = torch.log_softmax(self._logits.float(), dim=-1)
-        k = min(top_k, logp.shape[-1])
-        scores, ids = logp.topk(k, dim=-1)  # [B, k]
-        all_scores, all_ids = [scores], [ids]
-        all_parents = [torch.zeros(rows, k, dtype=torch.long, device=device)]
-        all_depths = [torch.ones(k, dtype=torch.long, device=device)]
-        frontier = torch.arange(1, k + 1, device=device).expand(rows, k)  # candidate numbers of each row's frontier
-        hidden = self._hidden.expand(rows, k, self._hidden.shape[-1])
-        eye = torch.eye(k, dtype=torch.bool, device=device)
         columns = torch.arange(start, device=device)[None, :]
-        past = (columns < self._fed[:, None])[:, None, :].expand(rows, k, start)  # each row's own positions
-        ancestors = torch.zeros(rows, k, 0, dtype=torch.bool, device=device)  # frontier x earlier tree entries
-        base = 1 + k
-        for level in range(1, depth):
+        past = (columns < self._fed[:, None])[:, None, :]  # [B, 1, start]: each row's own positions
+
+        def step(ids, hidden, level, ancestors):
+            k = ids.shape[1]
             seen = past
             if self.window is not None:  # the positions this level's queries (at fed - 1 + level) still see
                 seen = past & (columns > self._fed[:, None] - 1 + level - self.window)[:, None, :]
-            mask = torch.cat([seen, ancestors, eye.expand(rows, k, k)], dim=-1)
+            eye = torch.eye(k, dtype=torch.bool, device=device).expand(rows, k, k)
+            mask = torch.cat([seen.expand(rows, k, start), ancestors, eye], dim=-1)
             self.cache.place_shared(start + (level - 1) * k, mask[:, None])
-            out = self.draft(input_ids=self.d2t.map_tokens(ids), hidden_states=hidden,
-                             position_ids=(self._fed - 1 + level)[:, None].expand(rows, k), cache=self.cache)
-            child_logp, child_ids = torch.log_softmax(out.logits.float(), dim=-1).topk(k, dim=-1)  # [B, k, k]
-            child_scores = (scores[:, :, None] + child_logp).flatten(1)
-            child_ids = child_ids.flatten(1)
-            all_scores.append(child_scores)
-            all_ids.append(child_ids)
-            all_parents.append(frontier.repeat_interleave(k, dim=1))
-            all_depths.append(torch.full((k * k,), level + 1, dtype=torch.long, device=device))
-            if level == depth - 1:
-                break
-            scores, best = child_scores.topk(k, dim=-1)
-            slot = best // k  # each new frontier node's parent, by its place in the current frontier
-            frontier, ids = base + best, child_ids.gather(1, best)
-            hidden = out.hidden_states.gather(1, slot[..., None].expand(-1, -1, out.hidden_states.shape[-1]))
-            ancestors = torch.cat([ancestors.gather(1, slot[..., None].expand(-1, -1, ancestors.shape[-1])),
-                                   eye[slot]], dim=-1)
-            base += k * k
-        return (torch.cat(all_scores, dim=1), torch.cat(all_ids, dim=1), torch.cat(all_parents, dim=1),
-                torch.cat(all_depths), len(all_ids))
+            return self.draft(input_ids=self.d2t.map_tokens(ids), hidden_states=hidden,
+                              position_ids=(self._fed - 1 + level)[:, None].expand(rows, k), cache=self.cache)
+
+        return grow_candidates(self._logits, self._hidden, depth, top_k, step)
 
     def select(self, candidates, roots: torch.LongTensor, total: int) -> list:
         """
@@ -182,26 +158,7 @@ class Eagle3BatchTreeDrafter:
         Returns:
             `list[DraftTree]`: one per row, each of ``min(total, M) + 1`` nodes.
         """
-        scores, ids, parents, depths, levels = candidates
-        rows, device = scores.shape[0], self.device
-        key = Eagle3TreeDrafter.ranking_key(scores, depths[None, :].expand_as(scores))
-        n = min(int(total), key.shape[1])
-        chosen = key.topk(n, dim=-1).indices.sort(dim=-1).values  # [B, n], level order: parents first
-        order = torch.arange(1, n + 1, device=device).expand(rows, n)
-        number = torch.zeros(rows, key.shape[1] + 1, dtype=torch.long, device=device).scatter(1, chosen + 1, order)
-        zero = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        tree_parents = torch.cat([zero, number.gather(1, parents.gather(1, chosen))], dim=1)
-        tree_depths = torch.cat([zero, depths[chosen]], dim=1)
-        tokens = torch.cat([roots.view(rows, 1).to(device), self.d2t.map_tokens(ids.gather(1, chosen))], dim=1)
-        max_depth = min(n, levels)
-        ancestors = torch.eye(n + 1, dtype=torch.bool, device=device).repeat(rows, 1, 1)
-        node = torch.arange(n + 1, device=device).expand(rows, n + 1)
-        for _ in range(max_depth):
-            node = tree_parents.gather(1, node)
-            ancestors.scatter_(2, node[..., None], True)
-        chosen_scores = scores.gather(1, chosen)
-        return [DraftTree(tokens[b], tree_parents[b], tree_depths[b], ancestors[b], chosen_scores[b], max_depth)
-                for b in range(rows)]
+        return select_trees(candidates, roots, total, self.d2t)
 
     def round_trees(self, depth: int, top_k: int, total: int, roots: torch.LongTensor) -> list:
         """
@@ -237,7 +194,7 @@ class Eagle3BatchTreeDrafter:
             `torch.DoubleTensor` [M].
         """
         scores, _, _, depths, _ = candidates
-        key = Eagle3TreeDrafter.ranking_key(scores, depths[None, :].expand_as(scores))
+        key = Eagle3TreeDrafter.ranking_key(scores, depths)
         return key.exp().sort(dim=-1, descending=True).values.mean(0)
 
     def keep_rows(self, keep: list) -> None:

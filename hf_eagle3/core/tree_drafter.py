@@ -111,44 +111,19 @@ class Eagle3TreeDrafter:
         """
         self.state.crop()
         real = self.fed
-        logp = torch.log_softmax(self._logits[0].float(), dim=-1)
-        k = min(top_k, logp.shape[-1])
-        scores, ids = logp.topk(k)
-        all_scores, all_ids = [scores], [ids]
-        all_parents = [torch.zeros(k, dtype=torch.long, device=self.device)]
-        all_depths = [torch.ones(k, dtype=torch.long, device=self.device)]
-        frontier = torch.arange(1, k + 1, device=self.device)  # candidate numbers of the frontier
-        hidden = self._hidden.expand(1, k, self._hidden.shape[-1])
-        eye = torch.eye(k, dtype=torch.bool, device=self.device)
-        ancestors = torch.zeros(k, 0, dtype=torch.bool, device=self.device)  # frontier x earlier tree entries
-        base = 1 + k  # candidate number of the next level's first child
-        for level in range(1, depth):
-            if should_expand is not None and not should_expand(scores):
-                break
-            mask = torch.cat([torch.ones(k, real, dtype=torch.bool, device=self.device), ancestors, eye], dim=-1)
-            out = self.draft(
-                input_ids=self.d2t.map_tokens(ids)[None],
-                hidden_states=hidden,
-                position_ids=torch.full((1, k), real - 1 + level, device=self.device),
-                cache=self.cache,
-                attention_mask=mask,
-            )
-            child_logp, child_ids = torch.log_softmax(out.logits[0].float(), dim=-1).topk(k, dim=-1)
-            child_scores = (scores[:, None] + child_logp).flatten()
-            child_ids = child_ids.flatten()
-            all_scores.append(child_scores)
-            all_ids.append(child_ids)
-            all_parents.append(frontier.repeat_interleave(k))
-            all_depths.append(torch.full((k * k,), level + 1, dtype=torch.long, device=self.device))
-            if level == depth - 1:
-                break
-            scores, best = child_scores.topk(k)
-            slot = best // k  # parent's place in the current frontier
-            frontier, ids = base + best, child_ids[best]
-            hidden = out.hidden_states[:, slot]
-            ancestors = torch.cat([ancestors[slot], eye[slot]], dim=-1)
-            base += k * k
-        return torch.cat(all_scores), torch.cat(all_ids), torch.cat(all_parents), torch.cat(all_depths), len(all_ids)
+
+        def step(ids, hidden, level, ancestors):
+            k = ids.shape[1]
+            mask = torch.cat([torch.ones(k, real, dtype=torch.bool, device=self.device), ancestors[0],
+                              torch.eye(k, dtype=torch.bool, device=self.device)], dim=-1)
+            return self.draft(input_ids=self.d2t.map_tokens(ids), hidden_states=hidden,
+                              position_ids=torch.full((1, k), real - 1 + level, device=self.device), cache=self.cache,
+                              attention_mask=mask)
+
+        keep_going = None if should_expand is None else (lambda scores: should_expand(scores[0]))
+        scores, ids, parents, depths, levels = grow_candidates(self._logits, self._hidden, depth, top_k, step,
+                                                               keep_going)
+        return scores[0], ids[0], parents[0], depths, levels
 
     @staticmethod
     def ranking_key(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
@@ -157,11 +132,11 @@ class Eagle3TreeDrafter:
         ranks strictly below its parent (ties, and ``-inf`` scores, would otherwise break the closure under parents).
 
         Args:
-            scores (`torch.FloatTensor` [M]): cumulative log-probabilities of the candidates.
+            scores (`torch.FloatTensor` [..., M]): cumulative log-probabilities of the candidates.
             depths (`torch.LongTensor` [M]): their depths.
 
         Returns:
-            `torch.DoubleTensor` [M]: higher is better.
+            `torch.DoubleTensor` [..., M]: higher is better.
         """
         return scores.double().clamp(min=-1e6) - 1e-9 * depths.double()
 
@@ -174,19 +149,97 @@ class Eagle3TreeDrafter:
             total_tokens (`int`): nodes to keep besides the root (at most the number of candidates).
         """
         scores, ids, parents, depths, levels = candidates
-        key = self.ranking_key(scores, depths)
-        n = min(int(total_tokens), key.shape[0])
-        chosen = key.topk(n).indices.sort().values  # level order: parents first
-        number = torch.zeros(key.shape[0] + 1, dtype=torch.long, device=self.device)
-        number[chosen + 1] = torch.arange(1, n + 1, device=self.device)
-        zero = torch.zeros(1, dtype=torch.long, device=self.device)
-        tree_parents = torch.cat([zero, number[parents[chosen]]])
-        tree_depths = torch.cat([zero, depths[chosen]])
-        tokens = torch.cat([root_token.view(1).to(self.device), self.d2t.map_tokens(ids[chosen])])
-        max_depth = min(n, levels)
-        ancestors = torch.eye(n + 1, dtype=torch.bool, device=self.device)
-        rows, node = torch.arange(n + 1, device=self.device), torch.arange(n + 1, device=self.device)
-        for _ in range(max_depth):
-            node = tree_parents[node]
-            ancestors[rows, node] = True
-        return DraftTree(tokens, tree_parents, tree_depths, ancestors, scores[chosen], max_depth)
+        return select_trees((scores[None], ids[None], parents[None], depths, levels), root_token.view(1).to(self.device),
+                            total_tokens, self.d2t)[0]
+
+
+def grow_candidates(logits: torch.Tensor, hidden: torch.Tensor, depth: int, top_k: int, step, should_expand=None):
+    """
+    The candidates of a round for every row, level by level: the ``top_k`` most likely children of each of the
+    ``top_k`` frontier nodes, scored by cumulative log-probability; the next frontier is the ``top_k`` best of them.
+
+    Args:
+        logits (`torch.Tensor` [B, draft_vocab]): the draft's scores at each row's root.
+        hidden (`torch.Tensor` [B, 1, H]): the draft's output there.
+        depth (`int`): levels (>= 1).
+        top_k (`int`): children per expanded node, and frontier width (capped at the draft vocabulary).
+        step (`Callable`): ``step(draft_ids [B, k], hidden [B, k, H], level, ancestors [B, k, (level - 1) k])``
+            runs the draft forward of one level (the frontier, each node seeing its row's verified positions, its
+            ``ancestors`` among the earlier levels' entries and itself) and returns its `Eagle3DraftOutput`.
+        should_expand (`Callable[[torch.FloatTensor], bool]`, *optional*): called before each further level with the
+            frontier's cumulative log-probabilities [B, k]; ``False`` stops there.
+
+    Returns:
+        ``(scores [B, M], draft_ids [B, M], parents [B, M], depths [M], levels)``: candidates 1..M in level order
+        (``parents`` are candidate numbers, 0 = the root), and the number of levels.
+    """
+    device, rows = logits.device, logits.shape[0]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    k = min(top_k, logp.shape[-1])
+    scores, ids = logp.topk(k, dim=-1)  # [B, k]
+    all_scores, all_ids = [scores], [ids]
+    all_parents = [torch.zeros(rows, k, dtype=torch.long, device=device)]
+    all_depths = [torch.ones(k, dtype=torch.long, device=device)]
+    frontier = torch.arange(1, k + 1, device=device).expand(rows, k)  # candidate numbers of each row's frontier
+    hidden = hidden.expand(rows, k, hidden.shape[-1])
+    eye = torch.eye(k, dtype=torch.bool, device=device)
+    ancestors = torch.zeros(rows, k, 0, dtype=torch.bool, device=device)  # frontier x earlier tree entries
+    base = 1 + k  # candidate number of the next level's first child
+    for level in range(1, depth):
+        if should_expand is not None and not should_expand(scores):
+            break
+        out = step(ids, hidden, level, ancestors)
+        child_logp, child_ids = torch.log_softmax(out.logits.float(), dim=-1).topk(k, dim=-1)  # [B, k, k]
+        child_scores = (scores[:, :, None] + child_logp).flatten(1)
+        child_ids = child_ids.flatten(1)
+        all_scores.append(child_scores)
+        all_ids.append(child_ids)
+        all_parents.append(frontier.repeat_interleave(k, dim=1))
+        all_depths.append(torch.full((k * k,), level + 1, dtype=torch.long, device=device))
+        if level == depth - 1:
+            break
+        scores, best = child_scores.topk(k, dim=-1)
+        slot = best // k  # each new frontier node's parent, by its place in the current frontier
+        frontier, ids = base + best, child_ids.gather(1, best)
+        hidden = out.hidden_states.gather(1, slot[..., None].expand(-1, -1, out.hidden_states.shape[-1]))
+        ancestors = torch.cat([ancestors.gather(1, slot[..., None].expand(-1, -1, ancestors.shape[-1])), eye[slot]],
+                              dim=-1)
+        base += k * k
+    return (torch.cat(all_scores, dim=1), torch.cat(all_ids, dim=1), torch.cat(all_parents, dim=1),
+            torch.cat(all_depths), len(all_ids))
+
+
+def select_trees(candidates, roots: torch.LongTensor, total: int, d2t) -> list:
+    """
+    Keep each row's ``total`` best candidates (closed under parents: see :meth:`Eagle3TreeDrafter.ranking_key`) and
+    build its tree around its root.
+
+    Args:
+        candidates: what :func:`grow_candidates` returned.
+        roots (`torch.LongTensor` [B]): each row's last token.
+        total (`int`): nodes to keep per row besides the root (at most the number of candidates).
+        d2t (`Eagle3D2TLogitsProcessor`): maps draft ids to target ids.
+
+    Returns:
+        `list[DraftTree]`: one per row, each of ``min(total, M) + 1`` nodes.
+    """
+    scores, ids, parents, depths, levels = candidates
+    rows, device = scores.shape[0], scores.device
+    key = Eagle3TreeDrafter.ranking_key(scores, depths)
+    n = min(int(total), key.shape[1])
+    chosen = key.topk(n, dim=-1).indices.sort(dim=-1).values  # [B, n], level order: parents first
+    order = torch.arange(1, n + 1, device=device).expand(rows, n)
+    number = torch.zeros(rows, key.shape[1] + 1, dtype=torch.long, device=device).scatter(1, chosen + 1, order)
+    zero = torch.zeros(rows, 1, dtype=torch.long, device=device)
+    tree_parents = torch.cat([zero, number.gather(1, parents.gather(1, chosen))], dim=1)
+    tree_depths = torch.cat([zero, depths[chosen]], dim=1)
+    tokens = torch.cat([roots.view(rows, 1).to(device), d2t.map_tokens(ids.gather(1, chosen))], dim=1)
+    max_depth = min(n, levels)
+    ancestors = torch.eye(n + 1, dtype=torch.bool, device=device).repeat(rows, 1, 1)
+    node = torch.arange(n + 1, device=device).expand(rows, n + 1)
+    for _ in range(max_depth):
+        node = tree_parents.gather(1, node)
+        ancestors.scatter_(2, node[..., None], True)
+    chosen_scores = scores.gather(1, chosen)
+    return [DraftTree(tokens[b], tree_parents[b], tree_depths[b], ancestors[b], chosen_scores[b], max_depth)
+            for b in range(rows)]
