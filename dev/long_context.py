@@ -4,7 +4,9 @@ For each prompt length (a document built from the training prompts, then a quest
 template), times ``generate`` with the shipped draft at two ``max_new_tokens`` and reports the marginal time per round
 (the difference of the two calls over the difference of their target forwards), so that the prefill and the prompt's
 feed cancel; plain ``generate`` the same way, per token. Then, in a fresh process per length, the peak resident
-memory that the draft's feed of the prompt's positions adds (random features; the draft alone).
+memory (sampled every half millisecond) that the draft's feed of the prompt's positions adds (random features; the
+draft alone), with the causal mask left to the attention kernel and, for comparison, with a dense [L, L] mask built.
+EOS is switched off so that every call runs its tokens.
 
     python dev/long_context.py --lengths 1024,8000 --out long_context.json
 
@@ -21,35 +23,38 @@ import time
 
 import torch
 
+from hf_eagle3.environment import cpu_description
+
 FEED_PROBE = """
-import resource, sys, torch
+import sys, threading, torch
 import hf_eagle3
 from hf_eagle3.core.draft_cache import Eagle3KVCache
 from hf_eagle3.loading import load_draft
 from hf_eagle3.smollm2 import load_smollm2
 target, _ = load_smollm2()
 draft, _, _ = load_draft(None, target)
-n = int(sys.argv[1])
+draft.bind_target(target)
+n, dense = int(sys.argv[1]), sys.argv[2] == "dense"
 ids = torch.randint(0, draft.config.vocab_size, (1, n))
 feats = torch.randn(1, n, draft.fc.weight.shape[1])
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+mask = torch.ones(n, n, dtype=torch.bool).tril() if dense else None
+page = 4096
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * page
+peak, done = [0], threading.Event()
+def watch():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        done.wait(0.0005)
+before = rss()
+thread = threading.Thread(target=watch)
+thread.start()
 with torch.no_grad():
-    draft(input_ids=ids, target_features=feats, cache=Eagle3KVCache(), logits_to_keep=1)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print((after - before) / 1024)
+    draft(input_ids=ids, target_features=feats, cache=Eagle3KVCache(), logits_to_keep=1, attention_mask=mask)
+done.set()
+thread.join()
+print((max(peak[0], rss()) - before) / 2**20)
 """
-
-
-def cpu_flags() -> str:
-    """The CPU model and the flags that matter for these timings (AVX2, AVX-512, bf16, AMX)."""
-    model, flags = "", set()
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name") and not model:
-            model = line.split(":", 1)[1].strip()
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-    keep = sorted(f for f in flags if f.startswith(("avx", "amx")) or "bf16" in f or f == "fma")
-    return f"{model}: {' '.join(keep)}"
 
 
 def long_prompt(tok, tokens: int) -> torch.LongTensor:
@@ -73,7 +78,7 @@ def timed(target, ids, **kwargs) -> tuple[float, int]:
         target.generate(ids, do_sample=False, **kwargs)
     seconds = time.perf_counter() - start
     rounds = draft.last_stats.num_target_forwards if draft is not None else kwargs["max_new_tokens"]
-    return seconds, rounds
+    return seconds, rounds  # EOS is off: plain generate runs max_new_tokens forwards
 
 
 def main() -> None:
@@ -87,13 +92,14 @@ def main() -> None:
     from hf_eagle3.loading import load_draft
     from hf_eagle3.smollm2 import load_smollm2
 
-    print(cpu_flags(), flush=True)
+    print(cpu_description(), flush=True)
     target, tok = load_smollm2()
     draft, _, _ = load_draft(None, target)
+    target.generation_config.eos_token_id = None  # every call runs its tokens
     short, long = (int(x) for x in args.new_tokens.split(","))
     strategies = {"plain": {}, "chain k=3": dict(num_assistant_tokens=3, num_assistant_tokens_schedule="constant"),
                   "tree 4x4x8": dict(tree_top_k=4, tree_depth=4, tree_total_tokens=8)}
-    report = {"cpu": cpu_flags(), "torch_threads": torch.get_num_threads(), "new_tokens": [short, long], "rows": []}
+    report = {"cpu": cpu_description(), "torch_threads": torch.get_num_threads(), "new_tokens": [short, long], "rows": []}
     for length in (int(x) for x in args.lengths.split(",")):
         ids = long_prompt(tok, length)
         row = {"prompt_tokens": ids.shape[1]}
@@ -105,13 +111,18 @@ def main() -> None:
             row[name] = {"seconds_per_round": (s2 - s1) / max(r2 - r1, 1), "rounds": [r1, r2]}
             if settings:
                 row[name]["acceptance_length"] = draft.last_stats.mean_acceptance_length
-        feed = subprocess.run([sys.executable, "-c", FEED_PROBE, str(ids.shape[1])], capture_output=True, text=True)
-        row["draft_feed_peak_mib"] = float(feed.stdout.strip().splitlines()[-1]) if feed.returncode == 0 else None
+        for mode in ("kernel", "dense"):
+            feed = subprocess.run([sys.executable, "-c", FEED_PROBE, str(ids.shape[1]), mode], capture_output=True,
+                                  text=True)
+            if feed.returncode != 0:
+                raise RuntimeError(feed.stderr[-2000:])
+            row[f"draft_feed_peak_mib_{mode}_mask"] = float(feed.stdout.strip().splitlines()[-1])
         report["rows"].append(row)
         plain = row["plain"]["seconds_per_round"]
         print(f"prompt {row['prompt_tokens']}: " + ", ".join(
             f"{n} {row[n]['seconds_per_round'] / plain:.2f}x a plain step" for n in strategies)
-            + f"; draft feed peak +{row['draft_feed_peak_mib']} MiB", flush=True)
+            + f"; draft feed peak +{row['draft_feed_peak_mib_kernel_mask']:.0f} MiB "
+            f"(+{row['draft_feed_peak_mib_dense_mask']:.0f} MiB with a dense mask)", flush=True)
     first, last = report["rows"][0], report["rows"][-1]
     for name in strategies:
         growth = last[name]["seconds_per_round"] / first[name]["seconds_per_round"]
