@@ -262,8 +262,7 @@ class _BatchLoop:
         # Each row's prompt positions, moved to the left (the drafter's feeds are right-padded), and the token after
         # each of them (the prompt's next one, then the first generated).
         length = input_ids.shape[1]
-        index = torch.tensor([[min(p + j, length - 1) for j in range(length)] for p in self.pads],
-                             device=features.device)
+        index = (torch.tensor(self.pads)[:, None] + torch.arange(length)).clamp(max=length - 1).to(features.device)
         following = torch.cat([input_ids[:, 1:], first[:, None]], dim=1).to(features.device)
         self.drafter.add(features.gather(1, index[..., None].expand(-1, -1, features.shape[-1])),
                          following.gather(1, index), [length - p for p in self.pads])
