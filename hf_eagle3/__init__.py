@@ -9,9 +9,10 @@ whenever ``draft`` is an EAGLE-3 draft (with dynamic draft trees when ``tree_top
 
 from transformers import AutoConfig, AutoModel
 
+from .core.batch_drafter import Eagle3BatchTreeDrafter
 from .core.candidate_generator import Eagle3CandidateGenerator
 from .core.configuration_eagle3 import Eagle3Config
-from .core.draft_cache import Eagle3KVCache
+from .core.draft_cache import Eagle3KVCache, Eagle3RowCache
 from .core.feature_capture import Eagle3FeatureCapture, find_decoder_layers
 from .core.generate_hook import install_generate_hook, is_eagle3_draft
 from .core.logits_process import Eagle3D2TLogitsProcessor
@@ -27,12 +28,14 @@ install_generate_hook()
 
 __all__ = [
     "DraftTree",
+    "Eagle3BatchTreeDrafter",
     "Eagle3CandidateGenerator",
     "Eagle3Config",
     "Eagle3D2TLogitsProcessor",
     "Eagle3DraftModel",
     "Eagle3FeatureCapture",
     "Eagle3KVCache",
+    "Eagle3RowCache",
     "Eagle3Stats",
     "Eagle3TreeDrafter",
     "find_decoder_layers",

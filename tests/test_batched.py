@@ -28,8 +28,8 @@ from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
+from hf_eagle3 import Eagle3BatchTreeDrafter
 from hf_eagle3.core import batched_decoding, draft_length_policy, generate_hook
-from hf_eagle3.core.batch_drafter import Eagle3BatchTreeDrafter
 from hf_eagle3.core.generate_hook import _ACTIVE, use_drafting
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
