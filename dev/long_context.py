@@ -99,7 +99,8 @@ def main() -> None:
     short, long = (int(x) for x in args.new_tokens.split(","))
     strategies = {"plain": {}, "chain k=3": dict(num_assistant_tokens=3, num_assistant_tokens_schedule="constant"),
                   "tree 4x4x8": dict(tree_top_k=4, tree_depth=4, tree_total_tokens=8)}
-    report = {"cpu": cpu_description(), "torch_threads": torch.get_num_threads(), "new_tokens": [short, long], "rows": []}
+    report = {"cpu": cpu_description(), "torch_threads": torch.get_num_threads(), "new_tokens": [short, long],
+              "rows": []}
     for length in (int(x) for x in args.lengths.split(",")):
         ids = long_prompt(tok, length)
         row = {"prompt_tokens": ids.shape[1]}

@@ -14,6 +14,22 @@ from .logits_process import Eagle3D2TLogitsProcessor
 from .tree_drafter import DraftTree, Eagle3TreeDrafter, grow_candidates, select_trees
 
 
+def take_positions(values: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
+    """
+    Each row's entries at its own positions: ``values[b, index[b, j]]``.
+
+    Args:
+        values (`torch.Tensor` [B, L] or [B, L, C]): per-position values.
+        index (`torch.LongTensor` [B, W]): positions to take, per row.
+
+    Returns:
+        `torch.Tensor` [B, W] or [B, W, C].
+    """
+    if values.dim() == 2:
+        return values.gather(1, index)
+    return values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
+
+
 class Eagle3BatchTreeDrafter:
     r"""
     Drafts a tree (or a chain) for every row of a batch, with one draft forward per step for the whole batch.
@@ -83,8 +99,7 @@ class Eagle3BatchTreeDrafter:
             offset += block.shape[1]
         width = max(max(counts), 1)
         index = torch.tensor([i + [0] * (width - len(i)) for i in index], device=self.device)
-        features = features.gather(1, index[..., None].expand(-1, -1, features.shape[-1]))
-        return features, tokens.gather(1, index), counts
+        return take_positions(features, index), take_positions(tokens, index), counts
 
     def feed(self) -> None:
         """
@@ -110,7 +125,7 @@ class Eagle3BatchTreeDrafter:
                          logits_to_keep=-1)
         counts_device = torch.tensor(counts, device=self.device)
         last = (counts_device - 1).clamp(min=0)
-        hidden = out.hidden_states.gather(1, last[:, None, None].expand(-1, 1, out.hidden_states.shape[-1]))
+        hidden = take_positions(out.hidden_states, last[:, None])
         self._hidden, self._logits = hidden, self.draft.compute_logits(hidden)[:, 0]
         self.fed = [f + c for f, c in zip(self.fed, counts)]
         self._fed = self._fed + counts_device

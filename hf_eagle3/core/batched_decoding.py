@@ -2,11 +2,12 @@
 loop (which takes one sequence) when ``generate`` gets more than one row.
 
 Every row keeps its own acceptance; the draft runs one forward per step for all the rows
-(:class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`) and the target verifies all rows in one forward. Rows accept different
-numbers of tokens, so the target's KV cache keeps a per-row validity mask: a round appends as many entries as the row
-that accepted most, the other rows' surplus entries are holes that the attention mask hides, and each row carries its
-own position ids. When holes make the cache much longer than the longest row, the rows are compacted (each row's
-entries moved to the right end, as left padding is). Rows that finish leave the batch, so they stop costing.
+(:class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`) and the target verifies all rows in one forward.
+Rows accept different numbers of tokens, so the target's KV cache keeps a per-row validity mask: a round appends as
+many entries as the row that accepted most, the other rows' surplus entries are holes that the attention mask hides,
+and each row carries its own position ids. When holes make the cache much longer than the longest row, the rows
+are compacted (each row's entries moved to the right end, as left padding is). Rows that finish leave the batch, so
+they stop costing.
 
 A chain is the tree with one child per node: the same loop drafts ``num_assistant_tokens`` tokens per row with the
 draft's most likely token at each step, and accepts them with the same walk (greedy: the target's choice; sampling:
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import clip_new_tokens, round_planes, walk_planes
-from .batch_drafter import Eagle3BatchTreeDrafter
+from .batch_drafter import Eagle3BatchTreeDrafter, take_positions
 from .cost_model import measure_costs, target_costs
 from .draft_length_policy import Eagle3DraftLengthPolicy
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
@@ -148,8 +149,8 @@ def eagle3_batched_decoding(
     with the arguments Transformers prepared for it (see :func:`~hf_eagle3.core.generate_hook.loop_arguments`).
 
     Each round, in order: **draft** (the draft consumes every unfinished row's verified features in one forward, then
-    drafts all the rows' chains or trees, one forward per level), **verify** (one target forward of every row's nodes: 4D mask over the row's valid cache entries and its
-    tree, per-row positions), **accept** (per row, :func:`~hf_eagle3.core.acceptance.walk_tree`, then the length limit and
+    drafts all the rows' chains or trees, one forward per level), **verify** (one target forward of every row's
+    nodes: 4D mask over the row's valid cache entries and its tree, per-row positions), **accept** (per row, :func:`~hf_eagle3.core.acceptance.walk_tree`, then the length limit and
     EOS), **commit** (the target cache keeps each row's accepted path, the accepted features wait for the draft) and
     **retire** (finished rows leave the batch). Output: the rows as plain batched ``generate`` lays them out (padded
     prompt, generated tokens, ``pad_token_id`` after a row's end).
@@ -176,8 +177,8 @@ def eagle3_batched_decoding(
 
     if streamer is not None:
         raise ValueError("Transformers' streamers take one sequence; stream with a batch of one.")
-    loop = _BatchLoop(model, call, drafter_class or Eagle3BatchTreeDrafter, input_ids, logits_processor, stopping_criteria,
-                      generation_config, model_kwargs)
+    loop = _BatchLoop(model, call, drafter_class or Eagle3BatchTreeDrafter, input_ids, logits_processor,
+                      stopping_criteria, generation_config, model_kwargs)
     loop.prefill()
     while loop.rows:
         started = time.perf_counter()
@@ -264,8 +265,8 @@ class _BatchLoop:
         length = input_ids.shape[1]
         index = (torch.tensor(self.pads)[:, None] + torch.arange(length)).clamp(max=length - 1).to(features.device)
         following = torch.cat([input_ids[:, 1:], first[:, None]], dim=1).to(features.device)
-        self.drafter.add(features.gather(1, index[..., None].expand(-1, -1, features.shape[-1])),
-                         following.gather(1, index), [length - p for p in self.pads])
+        self.drafter.add(take_positions(features, index), take_positions(following, index),
+                         [length - p for p in self.pads])
         for b, token in enumerate(first.tolist()):
             row = _Row(b, input_ids[b].tolist() + [token])
             row.scores.append(scores[b : b + 1])
@@ -355,8 +356,7 @@ class _BatchLoop:
         width = max(len(p) for p in kept)
         index = torch.tensor([p + [0] * (width - len(p)) for p in kept], device=features.device)
         tokens = torch.tensor([t + [0] * (width - len(t)) for t in following], device=features.device)
-        self.drafter.add(features.gather(1, index[..., None].expand(-1, -1, features.shape[-1])), tokens,
-                         [len(p) for p in kept])
+        self.drafter.add(take_positions(features, index), tokens, [len(p) for p in kept])
         return kept, depths
 
     def _read_back(self, planes: torch.Tensor) -> list:

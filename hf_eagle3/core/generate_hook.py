@@ -70,10 +70,11 @@ def use_drafting(chain=None, tree=None, features=None, batch=None):
     Within the block, EAGLE-3 calls of ``generate`` draft with ``chain`` (a subclass of
     :class:`Eagle3CandidateGenerator` taking the same arguments), ``tree`` (a subclass of
     :class:`~hf_eagle3.core.tree_drafter.Eagle3TreeDrafter`, for one sequence) and/or ``batch`` (a subclass of
-    :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`, for batches) instead of the defaults: how benchmarks swap in instrumented
-    drafting (e.g. ``hf-eagle3 bench --oracle``) without another code path. ``features="hooks"`` makes chain drafting
-    take the target's features from forward hooks even where Transformers can hand them over (how the two sources
-    are compared); ``"outputs"`` asks for the protocol and fails on releases that lack it.
+    :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`, for batches) instead of the defaults: how
+    benchmarks swap in instrumented drafting (e.g. ``hf-eagle3 bench --oracle``) without another code path.
+    ``features="hooks"`` makes chain drafting take the target's features from forward hooks even where Transformers
+    can hand them over (how the two sources are compared); ``"outputs"`` asks for the protocol and fails on releases
+    that lack it.
 
     Args:
         chain (`type`, *optional*): the chain candidate generator class.

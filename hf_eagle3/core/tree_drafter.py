@@ -149,8 +149,8 @@ class Eagle3TreeDrafter:
             total_tokens (`int`): nodes to keep besides the root (at most the number of candidates).
         """
         scores, ids, parents, depths, levels = candidates
-        return select_trees((scores[None], ids[None], parents[None], depths, levels), root_token.view(1).to(self.device),
-                            total_tokens, self.d2t)[0]
+        one_row = (scores[None], ids[None], parents[None], depths, levels)
+        return select_trees(one_row, root_token.view(1).to(self.device), total_tokens, self.d2t)[0]
 
 
 def grow_candidates(logits: torch.Tensor, hidden: torch.Tensor, depth: int, top_k: int, step, should_expand=None):
