@@ -393,8 +393,9 @@ def batched_samples(n: int, seed: int, settings: dict) -> tuple[list, float]:
 
 
 @pytest.mark.parametrize(("settings", "least_accepted"),
-                         [(CHAIN, 0.05), (dict(tree_top_k=10, tree_depth=2, tree_total_tokens=20), 0.2)],
-                         ids=["chain", "tree"])
+                         [(CHAIN, 0.05), (dict(tree_top_k=10, tree_depth=2, tree_total_tokens=20), 0.2),
+                          (dict(tree_top_k=10, tree_depth=2, tree_total_tokens="auto"), 0.2)],
+                         ids=["chain", "tree", "tree-auto"])
 def test_batched_sampling_keeps_target_distribution(settings, least_accepted):
     samples, accepted = batched_samples(480, seed=100, settings=settings)
     assert accepted > least_accepted, "the test needs drafts that are accepted"
