@@ -316,6 +316,17 @@ def test_right_padding_is_refused():
     assert no_hooks_left(target)
 
 
+def test_one_sequence_tree_drafter_in_a_batch_is_refused():
+    """``use_drafting(tree=...)`` swaps the batch-1 drafter; a batched call inside it must say to pass ``batch=``."""
+    from hf_eagle3 import Eagle3TreeDrafter
+
+    target, draft = batch_target("llama"), draft_of("llama")
+    ids, mask = padded_batch((3, 6), seed=2)
+    with pytest.raises(ValueError, match="batch="), use_drafting(tree=Eagle3TreeDrafter):
+        target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=4, **TREE)
+    assert no_hooks_left(target)
+
+
 def test_streamer_with_a_batch_is_refused_before_work():
     class Streamer:
         def put(self, value):
