@@ -398,7 +398,7 @@ def test_prepare_is_resumable(tmp_path):
     from transformers import AutoTokenizer
 
     from hf_eagle3.smollm2 import smollm2_path
-    from hf_eagle3.training.prepare import done_ids, iter_records, prepare
+    from hf_eagle3.training.prepare import done_turns, iter_records, prepare
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_path()))
     target = tiny_target("llama", vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -406,7 +406,7 @@ def test_prepare_is_resumable(tmp_path):
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Question number {i}?"}) + "\n" for i in range(5)))
     out = tmp_path / "data"
     prepare(target, tok, prompts, out, max_prompts=3, max_new_tokens=6, batch_size=2, progress=False)
-    assert done_ids(out) == {"p0", "p1", "p2"}
+    assert set(done_turns(out)) == {("p0", 0), ("p1", 0), ("p2", 0)}
     with open(next(out.glob("responses-*.jsonl")), "a") as f:
         f.write('{"id": "p3", "prompt_ids": [1, 2')  # a line cut by an interruption
     prepare(target, tok, prompts, out, max_new_tokens=6, batch_size=2, progress=False)

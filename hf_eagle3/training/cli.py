@@ -50,8 +50,18 @@ def cmd_prepare(args) -> None:
 
     self_prompts = getattr(args, "self_prompts", 0) or 0
     if args.prompts is None and self_prompts <= 0:  # before the model is loaded
-        raise SystemExit("prepare needs prompts: --prompts FILE (JSONL of {id, prompt}), or --self-prompts N to have "
-                         "the target write N prompts of its own.")
+        raise SystemExit("prepare needs prompts: --prompts FILE (JSONL of {id, prompt}, or conversations), or "
+                         "--self-prompts N to have the target write N prompts of its own.")
+    if args.answers == "given" and args.features_dir is not None:  # before the model is loaded
+        raise SystemExit("--answers given generates nothing, so --features-dir has nothing to capture: drop it and "
+                         "let `train` compute the features.")
+    if args.prompts is not None:  # a data source that cannot be read fails here, before the model is loaded
+        from .conversations import read_conversations
+
+        try:
+            read_conversations(args.prompts, limit=1, split=args.split)
+        except (ValueError, ImportError, FileNotFoundError) as err:
+            raise SystemExit(str(err)) from None
     if self_prompts < 0:
         raise SystemExit(f"--self-prompts {self_prompts}: give a number of prompts >= 0.")
     num_shards, shard_index = process_share(args.num_shards, args.shard_index)
@@ -98,6 +108,8 @@ def cmd_prepare(args) -> None:
             max_feature_prompt_tokens=args.max_feature_prompt_tokens,
             num_shards=num_shards,
             shard_index=shard_index,
+            answers=args.answers if prompts == args.prompts else "regenerate",
+            split=args.split,
         )
 
 
@@ -281,8 +293,14 @@ def register(subparsers) -> None:
     )
     p.add_argument("--target", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", default=None,
-                   help="JSONL of {id, prompt} (MT-bench `turns` also work); required unless --self-prompts is given "
+                   help="the data: .jsonl / .json of {id, prompt}, OpenAI {messages: [{role, content}]}, ShareGPT "
+                   "{conversations: [{from, value}]} or {turns: [...]}, or a `datasets` folder or Hub name (needs "
+                   "hf-eagle3[data]); every user turn is answered; required unless --self-prompts is given "
                    "(default: none)")
+    p.add_argument("--split", default="train", help="split of a `datasets` folder or Hub dataset (default train)")
+    p.add_argument("--answers", default="regenerate", choices=["regenerate", "given"],
+                   help="regenerate: the target answers every user turn (the recipe); given: use the data's own "
+                   "assistant turns as they are (off-policy answers lower acceptance; warns) (default regenerate)")
     p.add_argument("--out", required=True, help="directory of the responses-*.jsonl files (created; resumed)")
     p.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts (default: all)")
     p.add_argument("--max-prompt-tokens", type=int, default=512,

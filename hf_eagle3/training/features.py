@@ -124,6 +124,7 @@ def cache_features(
                     items.append(
                         {
                             "id": rec.get("id"),
+                            "turn": rec.get("turn", 0),
                             "input_ids": torch.tensor(s, dtype=torch.int32),
                             "prompt_len": min(len(rec["prompt_ids"]), n),
                             "features": feats[r, :n].clone(),

@@ -1,9 +1,15 @@
-"""Regenerate training responses with the target model itself (EAGLE-3 data recipe).
+"""Training answers from the target model itself (the EAGLE-3 data recipe), for every turn of the users' data.
 
-Prompts come from a JSONL file (one ``{"id", "prompt"}`` object per line).  Each prompt is formatted with the
-target's chat template and answered by the target (greedy by default), in batches with left padding.  Results go
-to ``out_dir/responses-*.jsonl`` as ``{"id", "prompt_ids", "response_ids"}``; a rerun skips prompts already done,
-so an interrupted run resumes where it stopped.
+The data (see :mod:`hf_eagle3.training.conversations`: one-prompt JSONL, OpenAI messages, ShareGPT, JSON or
+JSONL, a ``datasets`` folder or Hub name) is read as conversations. By default the target answers every user turn
+in order, each turn seeing its own earlier answers (the data's assistant turns are dropped), through its chat
+template with the system prompt, greedy unless told otherwise, in batches with left padding. With
+``answers="given"`` the data's own assistant turns are taken as they are (off-policy: lower acceptance).
+
+Every answered turn is a record in ``out_dir/responses-*.jsonl``: ``{"id", "turn", "prompt_ids",
+"response_ids"}``; the prompt holds the conversation up to the turn, so the loss (on response tokens only) falls on
+assistant tokens only, each once. A rerun skips the turns already answered, so an interrupted run resumes where it
+stopped; rows that cannot be used are counted, skipped and summarised, never fatal.
 
 With ``features_dir``, the same generation also writes the draft's training features (what
 :func:`hf_eagle3.training.features.cache_features` computes with a second pass over the data): the target computes
@@ -16,33 +22,22 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Iterable
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from .conversations import BadRow, check_template, given_answers, read_conversations, render, turn_messages, user_turns
 
-def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
-    """Read ``{"id", "prompt"}`` records from a JSONL file (also accepts MT-bench ``turns``)."""
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            prompt = obj.get("prompt") or (obj.get("turns") or [None])[0]
-            if prompt is None:
-                raise ValueError(f"{path}:{i + 1}: no 'prompt' (or 'turns') field")
-            rows.append({"id": str(obj.get("id", obj.get("question_id", i))), "prompt": prompt})
-            if limit is not None and len(rows) >= limit:
-                break
-    return rows
+ANSWERS = ("regenerate", "given")
+"""Where the answers come from: the target (the default and the recipe) or the data."""
 
 
-def done_ids(out_dir: str | os.PathLike) -> set[str]:
-    """Return the ids of prompts already answered in ``out_dir``."""
-    return {r["id"] for r in iter_records(out_dir) if "id" in r}
+def done_turns(out_dir: str | os.PathLike) -> dict[tuple[str, int], list[int]]:
+    """The turns already answered in ``out_dir``: ``{(id, turn): response_ids}`` (records without a turn are 0)."""
+    return {(r["id"], r.get("turn", 0)): r["response_ids"] for r in iter_records(out_dir) if "id" in r}
 
 
 def _shards(out_dir: str | os.PathLike) -> list[Path]:
@@ -56,7 +51,7 @@ def _own_files(directory: Path, prefix: str, suffix: str) -> list[Path]:
 
 
 def iter_records(out_dir: str | os.PathLike) -> Iterable[dict]:
-    """Yield every complete ``{"id", "prompt_ids", "response_ids"}`` record written to ``out_dir``."""
+    """Yield every complete ``{"id", "turn", "prompt_ids", "response_ids"}`` record written to ``out_dir``."""
     import gzip
 
     for shard in _shards(out_dir):
@@ -66,6 +61,30 @@ def iter_records(out_dir: str | os.PathLike) -> Iterable[dict]:
                     yield json.loads(line)
                 except json.JSONDecodeError:
                     pass
+
+
+def _cut_at_eos(ids: list[int], eos: set[int]) -> list[int]:
+    """``ids`` up to and including the first end-of-sequence token."""
+    for j, t in enumerate(ids):
+        if t in eos:
+            return ids[: j + 1]
+    return ids
+
+
+def _given_records(tokenizer, conversation: dict, eos: set[int]) -> list[dict]:
+    """The records of the data's own answers in ``conversation`` (``answers="given"``): one per assistant turn, its
+    tokens those the chat template renders for it, up to the end-of-turn token."""
+    records = []
+    for turn, j in enumerate(given_answers(conversation)):
+        messages = conversation["messages"]
+        prompt = render(tokenizer, messages[:j], add_generation_prompt=True)
+        full = render(tokenizer, messages[: j + 1], add_generation_prompt=False)
+        if full[: len(prompt)] != prompt or len(full) == len(prompt):
+            raise BadRow("the chat template renders an answer's context differently from its prompt (its tokens "
+                         "cannot be told apart); regenerate the answers instead")
+        records.append({"id": conversation["id"], "turn": turn, "prompt_ids": prompt,
+                        "response_ids": _cut_at_eos(full[len(prompt) :], eos)})
+    return records
 
 
 def prepare(
@@ -88,23 +107,28 @@ def prepare(
     max_feature_prompt_tokens: int | None = None,
     num_shards: int = 1,
     shard_index: int = 0,
+    answers: str = "regenerate",
+    split: str = "train",
+    log=print,
 ) -> Path:
-    """Answer the prompts of ``prompts_path`` with ``model`` and store token ids in ``out_dir`` (resumable).
+    """Answer every user turn of the conversations in ``prompts_path`` with ``model`` and store token ids in
+    ``out_dir`` (resumable).
 
     Several processes (one per GPU) can share the work: each is given ``num_shards`` and its own ``shard_index``,
-    answers every ``num_shards``-th prompt from ``shard_index`` on, and writes files of its own
+    answers every ``num_shards``-th conversation from ``shard_index`` on, and writes files of its own
     (``responses-p{shard_index}-*.jsonl``, ``shard-p{shard_index}-*.pt``) into the same directories.
 
     Args:
         model: the target ``PreTrainedModel`` (its own answers are the training data).
         tokenizer: its tokenizer, with a chat template.
-        prompts_path: JSONL file of prompts.
-        out_dir: output directory; existing shards are kept and their prompts skipped.
-        max_prompts: use only the first ``max_prompts`` prompts of the file.
-        max_prompt_tokens: prompts longer than this (after templating) are skipped.
-        max_new_tokens: response length cap.
-        batch_size: prompts per ``generate`` call (sorted by length to limit padding).
-        do_sample: sample responses instead of greedy decoding.
+        prompts_path: the data: a ``.jsonl`` / ``.json`` file, a ``datasets`` folder or a Hub dataset name (layouts:
+            :mod:`hf_eagle3.training.conversations`).
+        out_dir: output directory; existing shards are kept and their turns skipped.
+        max_prompts: use only the first ``max_prompts`` conversations.
+        max_prompt_tokens: a turn whose templated prompt is longer than this is skipped, with the turns after it.
+        max_new_tokens: answer length cap.
+        batch_size: turns per ``generate`` call (sorted by length to limit padding).
+        do_sample: sample the answers instead of greedy decoding.
         temperature: sampling temperature when ``do_sample``.
         seed: sampling seed.
         progress: show a tqdm progress bar.
@@ -112,8 +136,12 @@ def prepare(
         layer_ids: the three capture indices (input of layer i); default ``[2, N // 2, N - 3]``.
         feature_dtype: storage dtype of the features (default bfloat16).
         max_feature_prompt_tokens: keep only the last this-many prompt positions of each record in the shards.
-        num_shards: number of processes sharing the prompts (1: this one does all).
+        num_shards: number of processes sharing the conversations (1: this one does all).
         shard_index: this process's share, ``0 <= shard_index < num_shards``.
+        answers: ``"regenerate"`` (the target answers every user turn) or ``"given"`` (the data's assistant turns,
+            as they are; warns, since off-policy answers lower acceptance; writes no features).
+        split: the split of a ``datasets`` folder or Hub dataset.
+        log: where the data summary and warnings are printed.
 
     Returns:
         ``out_dir`` as a ``Path``.
@@ -121,44 +149,60 @@ def prepare(
     if not (isinstance(num_shards, int) and num_shards >= 1 and 0 <= shard_index < num_shards):
         raise ValueError(f"shard_index {shard_index} / num_shards {num_shards}: need num_shards >= 1 and "
                          "0 <= shard_index < num_shards (one index per process).")
+    if answers not in ANSWERS:
+        raise ValueError(f"answers={answers!r}: use 'regenerate' (the target answers, the recipe) or 'given'.")
+    if answers == "given" and features_dir is not None:
+        raise ValueError("features are captured while the target answers; with answers='given' nothing is "
+                         "generated: drop features_dir (--features-dir) and let `train` compute the features.")
+    conversations, summary = read_conversations(prompts_path, max_prompts, split)
+    regenerate = answers == "regenerate"
+    usable = []
+    for c in conversations:
+        try:
+            check_template(tokenizer, c, regenerate)
+            usable.append(c)
+        except BadRow as bad:
+            summary.skip(f"{prompts_path}:id {c['id']}", str(bad))
+    summary.kept = len(usable)
+    for line in summary.lines():
+        log(line)
+    if not regenerate:
+        warnings.warn("answers='given' (--answers given): the data's own answers are used as they are. Answers the "
+                      "target did not write are off-policy and lower the draft's acceptance; regenerate them (the "
+                      "default) unless the target wrote them.", stacklevel=2)
+    mine = usable[shard_index::num_shards]
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = read_prompts(prompts_path, max_prompts)[shard_index::num_shards]
-    finished = done_ids(out)
-    todo = []
-    for r in rows:
-        if r["id"] in finished:
-            continue
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True
-        )
-        if hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        ids = list(ids)
-        if len(ids) <= max_prompt_tokens:
-            todo.append((r["id"], ids))
-    # Process in file order, chunk-wise sorted by length so that batches carry little padding.
-    chunk = batch_size * 16
-    batches = []
-    for c in range(0, len(todo), chunk):
-        part = sorted(todo[c : c + chunk], key=lambda x: len(x[1]))
-        batches += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
-    if not batches:  # everything answered already: write nothing (no empty shard, no features directory)
-        return out
-    part = f"p{shard_index}-" if num_shards > 1 else ""  # file names of this process's share
-    prefix = f"responses-{part}"
-    shard = out / f"{prefix}{len(_own_files(out, prefix, '.jsonl')):05d}.jsonl"
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    done = done_turns(out) if out.exists() else {}
+    part = f"p{shard_index}-" if num_shards > 1 else ""  # file names of this process's share
+    prefix = f"responses-{part}"
+    if not regenerate:
+        rows = []
+        for c in mine:
+            try:
+                rows += [r for r in _given_records(tokenizer, c, eos) if (r["id"], r["turn"]) not in done]
+            except BadRow as bad:
+                log(f"skipped {prompts_path}:id {c['id']}: {bad}")
+        if rows:
+            out.mkdir(parents=True, exist_ok=True)
+            with open(out / f"{prefix}{len(_own_files(out, prefix, '.jsonl')):05d}.jsonl", "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        return out
+    pending = sum(user_turns(c) for c in mine) - sum(1 for c in mine for t in range(user_turns(c)) if (c["id"], t) in done)
+    if not pending:  # everything answered already: write nothing (no empty shard, no features directory)
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    shard = out / f"{prefix}{len(_own_files(out, prefix, '.jsonl')):05d}.jsonl"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(todo), desc="prepare", unit="prompt")
+        bar = tqdm(total=pending, desc="prepare", unit="turn")
     torch.manual_seed(seed + shard_index)
     device = next(model.parameters()).device
-    n_tokens, t0 = 0, time.perf_counter()
+    n_tokens, t0, too_long = 0, time.perf_counter(), 0
     recorder, extra = None, {}
     if features_dir is not None:
         recorder = _GenerationFeatureRecorder(model, features_dir, layer_ids, feature_dtype or torch.bfloat16,
@@ -167,50 +211,72 @@ def prepare(
         extra = {"logits_processor": LogitsProcessorList([recorder])}
     try:
         with open(shard, "a") as f:
-            for batch in batches:
-                width = max(len(ids) for _, ids in batch)
-                input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-                mask = torch.zeros((len(batch), width), dtype=torch.long)
-                for i, (_, ids) in enumerate(batch):
-                    input_ids[i, width - len(ids) :] = torch.tensor(ids)
-                    mask[i, width - len(ids) :] = 1
-                with torch.inference_mode():
-                    if recorder is not None:
-                        recorder.start()
-                    gen = model.generate(
-                        input_ids.to(device),
-                        attention_mask=mask.to(device),
-                        max_new_tokens=max_new_tokens,
-                        do_sample=do_sample,
-                        temperature=temperature if do_sample else None,
-                        top_p=None,
-                        top_k=None,
-                        pad_token_id=pad,
-                        **extra,
-                    )
-                rows = []
-                for i, (pid, ids) in enumerate(batch):
-                    resp = gen[i, width:].tolist()
-                    for j, t in enumerate(resp):
-                        if t in eos:
-                            resp = resp[: j + 1]
-                            break
-                    n_tokens += len(resp)
-                    rows.append({"id": pid, "prompt_ids": ids, "response_ids": resp})
-                if recorder is not None:  # the shard first: a crash in between regenerates the batch, never loses it
+            for turn in range(max((user_turns(c) for c in mine), default=0)):
+                # this turn of every conversation whose earlier turns are answered (in an earlier run or round)
+                todo = []
+                for c in mine:
+                    if turn >= user_turns(c) or (c["id"], turn) in done:
+                        continue
+                    if any((c["id"], t) not in done for t in range(turn)):
+                        continue  # an earlier turn was skipped (too long): so are the turns after it
+                    history = [tokenizer.decode(done[c["id"], t], skip_special_tokens=True) for t in range(turn)]
+                    ids = render(tokenizer, turn_messages(c, turn, history), add_generation_prompt=True)
+                    if len(ids) <= max_prompt_tokens:
+                        todo.append((c["id"], ids))
+                    else:
+                        too_long += 1
+                # in data order, chunk-wise sorted by length so that batches carry little padding
+                chunk = batch_size * 16
+                batches = []
+                for s in range(0, len(todo), chunk):
+                    part_todo = sorted(todo[s : s + chunk], key=lambda x: len(x[1]))
+                    batches += [part_todo[i : i + batch_size] for i in range(0, len(part_todo), batch_size)]
+                for batch in batches:
+                    width = max(len(ids) for _, ids in batch)
+                    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+                    mask = torch.zeros((len(batch), width), dtype=torch.long)
+                    for i, (_, ids) in enumerate(batch):
+                        input_ids[i, width - len(ids) :] = torch.tensor(ids)
+                        mask[i, width - len(ids) :] = 1
                     with torch.inference_mode():
-                        recorder.write_shard(rows, width)
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
-                f.flush()
-                if bar is not None:
-                    bar.update(len(batch))
-                    bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.1f}")
+                        if recorder is not None:
+                            recorder.start()
+                        gen = model.generate(
+                            input_ids.to(device),
+                            attention_mask=mask.to(device),
+                            max_new_tokens=max_new_tokens,
+                            do_sample=do_sample,
+                            temperature=temperature if do_sample else None,
+                            top_p=None,
+                            top_k=None,
+                            pad_token_id=pad,
+                            **extra,
+                        )
+                    rows = []
+                    for i, (cid, ids) in enumerate(batch):
+                        resp = _cut_at_eos(gen[i, width:].tolist(), eos)
+                        n_tokens += len(resp)
+                        rows.append({"id": cid, "turn": turn, "prompt_ids": ids, "response_ids": resp})
+                    if recorder is not None:  # the shard first: a crash in between regenerates the batch, never loses it
+                        with torch.inference_mode():
+                            recorder.write_shard(rows, width)
+                    for row in rows:
+                        f.write(json.dumps(row) + "\n")
+                        done[row["id"], turn] = row["response_ids"]
+                    f.flush()
+                    if bar is not None:
+                        bar.update(len(batch))
+                        bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.1f}")
     finally:
         if recorder is not None:
             recorder.close()
-    if bar is not None:
-        bar.close()
+        if bar is not None:
+            bar.close()
+    if too_long:
+        log(f"{too_long} turn(s) skipped, with the turns after them: prompt longer than {max_prompt_tokens} tokens "
+            "(raise --max-prompt-tokens to keep them)")
+    if shard.exists() and shard.stat().st_size == 0:
+        shard.unlink()  # every remaining turn was too long: leave no empty file
     return out
 
 
@@ -307,6 +373,7 @@ class _GenerationFeatureRecorder(LogitsProcessor):
                 argmax[~stepped] = logits.argmax(-1).to(torch.int32).cpu()
             items.append({
                 "id": row["id"],
+                "turn": row.get("turn", 0),
                 "input_ids": torch.tensor(seq[first:n], dtype=torch.int32),
                 "prompt_len": keep,
                 "features": feats[i, span].clone(),
