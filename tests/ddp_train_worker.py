@@ -1,6 +1,7 @@
 """Worker of ``test_training.py::test_data_parallel_training_on_two_processes`` (run under torchrun, 2 processes).
 
-Usage: ``torchrun --nproc_per_node 2 ddp_train_worker.py FEATURES_DIR OUT_DIR MAX_MINUTES`` (0: step/epoch limits).
+Usage: ``torchrun --nproc_per_node 2 ddp_train_worker.py FEATURES_DIR OUT_DIR MAX_MINUTES SELECT_BY`` (0 minutes:
+step/epoch limits; SELECT_BY: ``holdout`` or ``last``).
 Records a fingerprint of every batch this process trains on and saves it with the final weights as
 ``OUT_DIR/rank{RANK}.pt``.
 """
@@ -22,7 +23,7 @@ def fingerprint(items) -> str:
 
 
 def main() -> None:
-    feats, out, minutes = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
+    feats, out, minutes, select_by = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
     torch.set_num_threads(1)
     seen = []
     original = trainer.collate
@@ -40,7 +41,8 @@ def main() -> None:
     draft = trainer.init_draft(trainer.draft_config_for_target(head["config"], 64, intermediate_size=96, feature_layer_ids=[2, 3, 3]),
                                head, d2t, t2d)
     cfg = trainer.TrainConfig(lr=3e-3, epochs=1000 if minutes else 2, batch_tokens=256, warmup_steps=2, ttt_length=3,
-                              log_every=1, save_every=3, mixed_precision="no", holdout_shards=1, max_minutes=minutes)
+                              log_every=1, save_every=3, mixed_precision="no", holdout_shards=1, max_minutes=minutes,
+                              select_by=select_by, select_chain_length=2)
     final = trainer.train(draft, feats, out, cfg, log=lambda s: None)
     torch.save({"seen": seen, "state": final.state_dict()}, out / f"rank{os.environ['RANK']}.pt")
     trainer.end_distributed()

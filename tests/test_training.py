@@ -267,7 +267,8 @@ def test_a_draft_that_does_not_match_the_features_is_refused_before_any_work(tmp
 def test_data_parallel_training_on_two_processes(tmp_path, max_minutes):
     """Two processes (torchrun, gloo on CPU, as ``accelerate launch`` on GPUs): each trains on its own half of every
     round of batches, both end with the same weights (also when a time budget, read off each machine's clock, ends
-    training), and only one process writes the log and the checkpoint."""
+    training, and when the main process selects the best checkpoint on the held-out shards), and only one process
+    writes the log and the checkpoint."""
     import json
     import os
     import socket
@@ -291,7 +292,7 @@ def test_data_parallel_training_on_two_processes(tmp_path, max_minutes):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(port), str(Path(__file__).parent / "ddp_train_worker.py"), str(feats), str(out),
-           str(max_minutes)]
+           str(max_minutes), "holdout" if max_minutes else "last"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
@@ -306,12 +307,18 @@ def test_data_parallel_training_on_two_processes(tmp_path, max_minutes):
         expected[0].extend(batches[0 : 2 * rounds : 2])
         expected[1].extend(batches[1 : 2 * rounds : 2])
     assert r0["seen"] == expected[0][: len(r0["seen"])] and r1["seen"] == expected[1][: len(r1["seen"])]
-    steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in logged if "loss" in r]
     assert steps == list(range(1, len(r0["seen"]) + 1))  # one writer
     state = torch.load(out / "checkpoint.pt", weights_only=False)
     assert state["step"] == len(r0["seen"])
-    for k, v in state["model"].items():
+    returned = torch.load(out / "best.pt", weights_only=False)["model"] if max_minutes else state["model"]
+    for k, v in returned.items():
         assert torch.equal(v, r0["state"][k]), k
+    assert (out / "best.pt").exists() == bool(max_minutes)
+    if max_minutes:
+        scored = [r["step"] for r in logged if "holdout_acceptance_length" in r]
+        assert scored and scored[-1] == len(r0["seen"])  # every checkpoint scored, the last one included
     if not max_minutes:  # 2 epochs, an incomplete last round left out
         assert len(r0["seen"]) == 2 * (data.num_batches() // 2)
 
@@ -599,3 +606,62 @@ def test_train_seed_orders_the_shards_and_reaches_the_trainer(tmp_path, monkeypa
         main(["train", "--data", str(data), "--out", str(tmp_path / "out"), "--skip-features", "--features-dir",
               str(feats), "--draft-vocab-size", "64", "--seed", "7", "--mixed-precision", "no"])
     assert seen == [7]
+
+
+def test_train_returns_the_checkpoint_best_on_the_held_out_shards(tmp_path, monkeypatch):
+    """select_by="holdout": every checkpoint is scored by the replayed chain acceptance on the held-out shards, the
+    log says each score, and the weights returned are the best checkpoint's (here an early one, forced by a scorer
+    that prefers early steps), equal to a run stopped at that step; "last" returns the last weights."""
+    import json
+
+    from hf_eagle3.training import trainer as trainer_module
+
+    target = tiny_target("llama")
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8)
+    records = tiny_records(target, n=16)
+    feats = tmp_path / "features"
+    cache_features(target, records, feats, [2, 3, 3], per_shard=4, dtype=torch.float32, progress=False)
+    head = torch.load(feats / "target_head.pt", weights_only=False)
+    d2t, t2d = build_vocab_mapping(count_tokens(r["response_ids"] for r in records), 128, 256)
+
+    def new_draft():
+        torch.manual_seed(0)
+        return init_draft(draft_config_for_target(head["config"], 128, intermediate_size=96), head, d2t, t2d)
+
+    def cfg(**kw):
+        return TrainConfig(**{**dict(lr=3e-3, epochs=3, batch_tokens=128, warmup_steps=2, ttt_length=2, log_every=1,
+                                     save_every=2, mixed_precision="no", holdout_shards=1, select_chain_length=3),
+                              **kw})
+
+    lines = []
+    honest = train(new_draft(), feats, tmp_path / "honest", cfg(), log=lines.append)
+    scores = [json.loads(line) for line in (tmp_path / "honest" / "log.jsonl").read_text().splitlines()]
+    scores = {r["step"]: r["holdout_acceptance_length"] for r in scores if "holdout_acceptance_length" in r}
+    assert len(scores) >= 3 and 2 in scores and 4 in scores
+    selection = json.loads((tmp_path / "honest" / "selection.json").read_text())
+    assert selection["selected_score"] == pytest.approx(max(scores.values()), abs=1e-4)
+    assert lines[-1].startswith(f"selected the checkpoint of step {selection['selected_step']}")
+    replayed = evaluate(honest, feats, ttt_length=1, holdout_shards=1, chain_length=3, batch_tokens=128)
+    assert replayed["chain"]["mean_acceptance_length"] == pytest.approx(selection["selected_score"], abs=1e-4)
+
+    calls = []
+
+    class Early:  # a scorer that prefers early checkpoints: the first one scored (step 2) wins
+        def __init__(self, *args):
+            calls.append(args)
+            self.mean_acceptance_length = 10.0 - len(calls)
+
+    monkeypatch.setattr(trainer_module, "replay_chain_acceptance", Early)
+    early = train(new_draft(), feats, tmp_path / "early", cfg(), log=lambda s: None)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "early" / "selection.json").read_text())["selected_step"] == 2
+    stopped = train(new_draft(), feats, tmp_path / "stopped", cfg(max_steps=2, select_by="last"), log=lambda s: None)
+    last = train(new_draft(), feats, tmp_path / "last", cfg(select_by="last"), log=lambda s: None)
+    assert not (tmp_path / "last" / "best.pt").exists()
+    for a, b, c in zip(early.state_dict().values(), stopped.state_dict().values(), last.state_dict().values()):
+        torch.testing.assert_close(a, b)
+    assert any(not torch.equal(a, c) for a, c in zip(early.state_dict().values(), last.state_dict().values()))
+    with pytest.raises(ValueError, match="holdout_shards >= 1"):
+        train(new_draft(), feats, tmp_path / "none", cfg(holdout_shards=0), log=lambda s: None)
+    assert not (tmp_path / "none").exists()

@@ -129,6 +129,10 @@ def cmd_train(args) -> None:
     if not args.target_temperature > 0:  # before any record is read or feature computed
         raise SystemExit(f"--target-temperature {args.target_temperature}: give a temperature > 0 (1 = the target's "
                          "own distribution, the reference recipe; e.g. 0.5 sharpens it for greedy decoding).")
+    select_by = args.select_by or ("holdout" if args.holdout_shards else "last")
+    if select_by == "holdout" and args.holdout_shards < 1:  # before any record is read or feature computed
+        raise SystemExit("--select-by holdout scores checkpoints on held-out shards: give --holdout-shards >= 1, or "
+                         "--select-by last.")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     all_records = list(iter_records(args.data))  # the vocabulary counts them all; --max-records cuts the feature pass
@@ -195,6 +199,7 @@ def cmd_train(args) -> None:
         prompt_loss_weight=args.prompt_loss_weight, target_temperature=args.target_temperature,
         mixed_precision=args.mixed_precision, save_every=args.save_every, max_steps=args.max_steps,
         max_minutes=args.max_minutes, holdout_shards=args.holdout_shards, seed=args.seed,
+        select_by=select_by,
     )
     t0 = time.time()
     draft = train(draft, features_dir, out / "run", cfg)
@@ -211,6 +216,8 @@ def cmd_train(args) -> None:
     draft.to(dtype).save_pretrained(save_dir)
     (save_dir / "training_summary.json").write_text(json.dumps({
         "records": len(records), "train_minutes_this_run": minutes, "holdout": metrics,
+        "selection": (json.loads((out / "run" / "selection.json").read_text())
+                      if (out / "run" / "selection.json").exists() else {"selected": "last"}),
         "config": vars(args),
     }, indent=2, default=str))
     print(f"saved {save_dir}")
@@ -402,6 +409,10 @@ def register(subparsers) -> None:
                    "limit; --epochs still ends training first if it comes first)")
     t.add_argument("--holdout-shards", type=int, default=1,
                    help="first feature shards kept out of training to measure accuracy (default 1)")
+    t.add_argument("--select-by", default=None, choices=["holdout", "last"],
+                   help="which weights are saved: holdout = the checkpoint (every --save-every steps and at the end) "
+                   "with the highest replayed greedy chain acceptance (k=5) on the held-out shards, last = the last "
+                   "weights (default: holdout when --holdout-shards >= 1, else last)")
     t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the saved draft (default bfloat16)")
     t.add_argument("--export-flat", action="store_true",

@@ -43,6 +43,9 @@ class TrainConfig:
         save_every: checkpoint every this many optimiser steps.
         log_every: log every this many steps.
         holdout_shards: shards kept out of training for evaluation (the first ones).
+        select_by: which weights :func:`train` returns: ``"holdout"`` (the checkpoint whose replayed greedy chain
+            acceptance on the held-out shards is highest, scored at every checkpoint; the default) or ``"last"``.
+        select_chain_length: draft tokens per round of that replayed chain.
         max_steps: stop after this many steps (0 = no limit).
         max_minutes: stop (with a checkpoint) after this many minutes of training (0 = no limit).
         seed: random seed.
@@ -64,6 +67,8 @@ class TrainConfig:
     save_every: int = 100
     log_every: int = 10
     holdout_shards: int = 1
+    select_by: str = "holdout"
+    select_chain_length: int = 5
     max_steps: int = 0
     max_minutes: float = 0.0
     seed: int = 0
@@ -210,6 +215,13 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     from accelerate.utils import broadcast
 
     cfg = cfg or TrainConfig()
+    if cfg.select_by not in ("holdout", "last"):
+        raise ValueError(f"select_by={cfg.select_by!r}: use 'holdout' (the best checkpoint on the held-out shards) "
+                         "or 'last'.")
+    if cfg.select_by == "holdout" and (cfg.holdout_shards < 1 or cfg.select_chain_length < 1):
+        raise ValueError(f"select_by='holdout' scores checkpoints on held-out shards with a replayed chain: it needs "
+                         f"holdout_shards >= 1 (now {cfg.holdout_shards}) and select_chain_length >= 1 (now "
+                         f"{cfg.select_chain_length}); or pass select_by='last' (--select-by last).")
     head = check_draft_matches_features(draft, features_dir)  # before anything is written
     data = FeatureShards(features_dir, cfg.batch_tokens, cfg.max_prompt_context, cfg.holdout_shards, cfg.seed)
     if not data.shards:
@@ -278,6 +290,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
         (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
     t0 = clock["start"] = time.time()
     tokens_seen = 0
+    selection = _Selection(out, data, cfg) if cfg.select_by == "holdout" and main else None
 
     def save(epoch, batches_done):
         if main:  # one writer; every process holds the same weights
@@ -295,6 +308,11 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
                 tmp,
             )
             tmp.replace(ckpt)
+            if selection is not None:
+                score = selection.score(unwrapped, step)
+                if score is not None:
+                    logf.write(json.dumps({"step": step, "holdout_acceptance_length": round(score, 4)}) + "\n")
+                    logf.flush()
         accelerator.wait_for_everyone()
 
     def rounds(epoch):
@@ -365,9 +383,71 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
                           "raise --epochs to train longer")
         log(f"training ended: {ended}")
     accelerator.wait_for_everyone()  # no process leaves (and tears down) while another is still in a collective
+    if cfg.select_by == "holdout":  # the main process chose; every process returns the chosen weights
+        changed = torch.tensor([0], device=accelerator.device)
+        if selection is not None:
+            message, changed[0] = selection.choose(unwrapped, step)
+            log(message)
+        if world > 1 and int(broadcast(changed)[0]):
+            for tensor in unwrapped.state_dict().values():
+                torch.distributed.broadcast(tensor, src=0)
     final = unwrapped.cpu().eval()
     final._target_embedding = None
     return final
+
+
+class _Selection:
+    """The checkpoint :func:`train` returns with ``select_by="holdout"``: every checkpoint is scored by the mean
+    acceptance length greedy chain decoding would reach on the held-out shards' answers (replayed, see
+    :mod:`~hf_eagle3.training.replay`), and the best one's weights are kept in ``out/best.pt`` (which survives a
+    resume). Only the main process keeps one.
+
+    Args:
+        out: the run directory.
+        data: the run's :class:`~hf_eagle3.training.features.FeatureShards` (its held-out shards are scored).
+        cfg: the run's settings (``select_chain_length``, ``batch_tokens``).
+    """
+
+    def __init__(self, out: Path, data: FeatureShards, cfg: TrainConfig):
+        self.path = out / "best.pt"
+        self.data = data
+        self.k, self.batch_tokens = cfg.select_chain_length, cfg.batch_tokens
+        self.best = torch.load(self.path, weights_only=False) if self.path.exists() else None
+        self.scored = {}  # step -> score, this run
+
+    def score(self, draft: Eagle3DraftModel, step: int) -> float | None:
+        """Score ``draft`` (the weights at ``step``) and keep them if they are the best so far; ``None`` if this
+        step was scored already."""
+        if step in self.scored or (self.best is not None and self.best["step"] == step):
+            return None
+        was_training = draft.training
+        draft.eval()
+        items = self.data.records(self.data.holdout)  # read when scored: held-out features can be large
+        score = replay_chain_acceptance(draft, items, self.k, self.batch_tokens).mean_acceptance_length
+        draft.train(was_training)
+        self.scored[step] = score
+        if self.best is None or score > self.best["score"]:
+            self.best = {"step": step, "score": score,
+                         "model": {k: v.detach().cpu().clone() for k, v in draft.state_dict().items()}}
+            tmp = self.path.with_suffix(".tmp")
+            torch.save(self.best, tmp)
+            tmp.replace(self.path)
+        return score
+
+    def choose(self, draft: Eagle3DraftModel, step: int) -> tuple[str, bool]:
+        """Load the best checkpoint's weights into ``draft`` (holding the weights at ``step``); return what was chosen
+        (a line to log) and whether the weights changed."""
+        if self.best is None:
+            return "select_by holdout: no checkpoint was scored; the last weights are returned", False
+        last = self.scored.get(step)
+        chosen = self.best["step"]
+        if chosen != step:
+            draft.load_state_dict(self.best["model"])
+        (self.path.parent / "selection.json").write_text(json.dumps(
+            {"selected_step": chosen, "selected_score": self.best["score"], "last_step": step, "last_score": last,
+             "metric": f"held-out mean acceptance length, greedy chain of {self.k}"}, indent=2))
+        return (f"selected the checkpoint of step {chosen} (held-out mean acceptance length {self.best['score']:.3f}"
+                + (f"; last step {step}: {last:.3f})" if last is not None else ")")), chosen != step
 
 
 def end_distributed() -> None:
