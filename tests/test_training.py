@@ -263,6 +263,69 @@ def test_a_draft_that_does_not_match_the_features_is_refused_before_any_work(tmp
     assert hf_eagle3.Eagle3DraftModel.from_pretrained(out / "draft").config.feature_layer_ids == [1, 2, 4]
 
 
+def _torchrun_training(feats, out, minutes: float, select_by: str, mode: str) -> None:
+    """Train with ``tests/ddp_train_worker.py`` on two processes (gloo on CPU)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(Path(__file__).parent / "ddp_train_worker.py"), str(feats), str(out),
+           str(minutes), select_by, mode]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_ddp_and_fsdp_on_two_processes_follow_one_process_accumulating_their_batches(tmp_path):
+    """Two processes (torchrun, gloo), weights replicated (DDP) or sharded (FSDP), against one process that
+    accumulates the same two batches per optimiser step: the same logged loss at every step and the same weights, on
+    every process; the FSDP checkpoint resumes."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ddp_train_worker import config, make_draft
+
+    target = tiny_target("llama")
+    feats = tmp_path / "features"
+    cache_features(target, tiny_records(target, n=20, new=16), feats, [2, 3, 3], per_shard=4, dtype=torch.float32,
+                   progress=False)
+
+    def losses(out):
+        return [r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
+
+    one = train(make_draft(feats, 0), feats, tmp_path / "one", config(0, "last", accumulate=2), log=lambda s: None)
+    reference = losses(tmp_path / "one")
+    assert len(reference) >= 4
+    for mode in ("ddp", "fsdp"):
+        out = tmp_path / mode
+        _torchrun_training(feats, out, 0, "last", mode)
+        assert losses(out) == pytest.approx(reference, rel=1e-4, abs=1e-6), mode
+        for rank in (0, 1):
+            state = torch.load(out / f"rank{rank}.pt", weights_only=False)["state"]
+            for k, v in one.state_dict().items():
+                torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=f"{mode} rank {rank} {k}")
+        checkpoint = torch.load(out / "checkpoint.pt", weights_only=False)
+        assert checkpoint["layout"] == {"processes": 2, "accumulate": 1, "fsdp": mode == "fsdp"}
+    # a rerun of the FSDP run resumes at its end (the full checkpoint loads into the shards) and trains nothing more
+    (tmp_path / "fsdp" / "rank0.pt").unlink()
+    _torchrun_training(feats, tmp_path / "fsdp", 0, "last", "fsdp")
+    assert losses(tmp_path / "fsdp") == pytest.approx(reference, rel=1e-4, abs=1e-6)
+    state = torch.load(tmp_path / "fsdp" / "rank0.pt", weights_only=False)
+    assert state["seen"] == []
+    for k, v in one.state_dict().items():
+        torch.testing.assert_close(state["state"][k], v, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="Resume with the same number of processes, --accumulate and --fsdp"):
+        train(make_draft(feats, 0), feats, tmp_path / "fsdp", config(0, "last"), log=lambda s: None)
+
+
 @pytest.mark.parametrize("max_minutes", [0.0, 0.04])
 def test_data_parallel_training_on_two_processes(tmp_path, max_minutes):
     """Two processes (torchrun, gloo on CPU, as ``accelerate launch`` on GPUs): each trains on its own half of every
@@ -270,9 +333,6 @@ def test_data_parallel_training_on_two_processes(tmp_path, max_minutes):
     training, and when the main process selects the best checkpoint on the held-out shards), and only one process
     writes the log and the checkpoint."""
     import json
-    import os
-    import socket
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -285,16 +345,8 @@ def test_data_parallel_training_on_two_processes(tmp_path, max_minutes):
     feats = tmp_path / "features"
     cache_features(target, tiny_records(target, n=20, new=16), feats, [2, 3, 3], per_shard=4, dtype=torch.float32,
                    progress=False)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(Path(__file__).parent / "ddp_train_worker.py"), str(feats), str(out),
-           str(max_minutes), "holdout" if max_minutes else "last"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _torchrun_training(feats, out, max_minutes, "holdout" if max_minutes else "last", "ddp")
     r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert len(r0["seen"]) == len(r1["seen"]) > 0
     for k, v in r0["state"].items():

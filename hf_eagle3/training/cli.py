@@ -130,7 +130,9 @@ def cmd_train(args) -> None:
         raise SystemExit(f"--target-temperature {args.target_temperature}: give a temperature > 0 (1 = the target's "
                          "own distribution, the reference recipe; e.g. 0.5 sharpens it for greedy decoding).")
     select_by = args.select_by or ("holdout" if args.holdout_shards else "last")
-    if select_by == "holdout" and args.holdout_shards < 1:  # before any record is read or feature computed
+    if args.accumulate < 1:  # before any record is read or feature computed
+        raise SystemExit(f"--accumulate {args.accumulate}: give the batches per optimiser step, >= 1.")
+    if select_by == "holdout" and args.holdout_shards < 1:
         raise SystemExit("--select-by holdout scores checkpoints on held-out shards: give --holdout-shards >= 1, or "
                          "--select-by last.")
     out = Path(args.out)
@@ -199,7 +201,7 @@ def cmd_train(args) -> None:
         prompt_loss_weight=args.prompt_loss_weight, target_temperature=args.target_temperature,
         mixed_precision=args.mixed_precision, save_every=args.save_every, max_steps=args.max_steps,
         max_minutes=args.max_minutes, holdout_shards=args.holdout_shards, seed=args.seed,
-        select_by=select_by,
+        select_by=select_by, accumulate=args.accumulate, fsdp=args.fsdp,
     )
     t0 = time.time()
     draft = train(draft, features_dir, out / "run", cfg)
@@ -409,6 +411,13 @@ def register(subparsers) -> None:
                    "limit; --epochs still ends training first if it comes first)")
     t.add_argument("--holdout-shards", type=int, default=1,
                    help="first feature shards kept out of training to measure accuracy (default 1)")
+    t.add_argument("--accumulate", type=int, default=1,
+                   help="batches per process per optimiser step (gradient accumulation; default 1): N processes "
+                   "take N x this many batches a step, so one GPU with --accumulate 8 follows an 8-GPU run's curve")
+    t.add_argument("--fsdp", action="store_true",
+                   help="under torchrun / accelerate launch: shard the draft's weights, gradients and optimiser "
+                   "state over the processes (FSDP) instead of replicating them (DDP), for drafts (a large vocabulary "
+                   "head) or optimiser states that do not fit on one device (default: DDP)")
     t.add_argument("--select-by", default=None, choices=["holdout", "last"],
                    help="which weights are saved: holdout = the checkpoint (every --save-every steps and at the end) "
                    "with the highest replayed greedy chain acceptance (k=5) on the held-out shards, last = the last "

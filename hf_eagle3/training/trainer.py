@@ -19,6 +19,7 @@ from ..core.configuration_eagle3 import Eagle3Config, default_feature_layer_ids
 from ..core.modeling_eagle3 import Eagle3DraftModel
 from .features import FeatureShards, collate
 from .hardware import resolve_dtype
+from .parallel import DataParallel
 from .replay import replay_chain_acceptance
 from .ttt import TTTObjective, ttt_loss
 
@@ -42,6 +43,10 @@ class TrainConfig:
             ``"fp16"`` or ``"no"`` (accelerate autocast).
         save_every: checkpoint every this many optimiser steps.
         log_every: log every this many steps.
+        accumulate: batches per process per optimiser step (gradient accumulation): with N processes one optimiser
+            step takes ``N * accumulate`` batches, so one process with ``accumulate=N`` follows the same curve.
+        fsdp: with several processes, shard the draft's weights, gradients and optimiser state over them (FSDP)
+            instead of replicating them (DDP); see :mod:`~hf_eagle3.training.parallel`.
         holdout_shards: shards kept out of training for evaluation (the first ones).
         select_by: which weights :func:`train` returns: ``"holdout"`` (the checkpoint whose replayed greedy chain
             acceptance on the held-out shards is highest, scored at every checkpoint; the default) or ``"last"``.
@@ -66,6 +71,8 @@ class TrainConfig:
     mixed_precision: str = "auto"
     save_every: int = 100
     log_every: int = 10
+    accumulate: int = 1
+    fsdp: bool = False
     holdout_shards: int = 1
     select_by: str = "holdout"
     select_chain_length: int = 5
@@ -222,6 +229,8 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
         raise ValueError(f"select_by='holdout' scores checkpoints on held-out shards with a replayed chain: it needs "
                          f"holdout_shards >= 1 (now {cfg.holdout_shards}) and select_chain_length >= 1 (now "
                          f"{cfg.select_chain_length}); or pass select_by='last' (--select-by last).")
+    if not (isinstance(cfg.accumulate, int) and cfg.accumulate >= 1):
+        raise ValueError(f"accumulate={cfg.accumulate}: give the number of batches per optimiser step, >= 1.")
     head = check_draft_matches_features(draft, features_dir)  # before anything is written
     data = FeatureShards(features_dir, cfg.batch_tokens, cfg.max_prompt_context, cfg.holdout_shards, cfg.seed)
     if not data.shards:
@@ -239,20 +248,28 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     lm_rows = head["lm_head"][used]
     t2d = draft.t2d.cpu().bool()
     world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
-    per_epoch = data.num_batches() // world  # optimiser steps per epoch, on the data there is now
+    per_step = world * cfg.accumulate  # batches per optimiser step, over all processes
+    per_epoch = data.num_batches() // per_step  # optimiser steps per epoch, on the data there is now
     # with a time budget the schedule follows the clock (and data may still grow): no step total
     total_steps = 0 if cfg.max_minutes else per_epoch * cfg.epochs
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps) if total_steps else cfg.max_steps
     if main:
         log(precision_line)
+        if cfg.fsdp and world == 1:
+            log("--fsdp with one process: nothing to shard, training as usual (launch several processes with "
+                "torchrun --nproc-per-node N to shard)")
         warning = schedule_warning(per_epoch, cfg)
         if warning:
             log(warning)
     if hasattr(draft, "embed_tokens"):  # the draft reads the target's (frozen) embedding during training
         draft.embed_tokens.requires_grad_(False)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    draft.train()
+    parallel = DataParallel(accelerator, TTTObjective(draft, cfg.ttt_length, cfg.target_temperature),
+                            lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
+                                                             weight_decay=cfg.weight_decay),
+                            fsdp=cfg.fsdp)
+    model, opt, unwrapped = parallel.model, parallel.step_optimizer, parallel.draft
     clock = {"start": time.time(), "offset": 0.0, "now": 0.0}
 
     def elapsed() -> float:
@@ -269,36 +286,39 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
             return clock["now"] / (cfg.max_minutes * 60)
         return (s - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, progress(s), cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(parallel.optimizer, lambda s: _lr_factor(s, progress(s), cfg))
     step, start_epoch, skip = 0, 0, 0
     ckpt = out / "checkpoint.pt"
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
-        draft.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        layout = {"processes": world, "accumulate": cfg.accumulate, "fsdp": parallel.sharded}
+        saved = state.get("layout", {"processes": world, "accumulate": 1, "fsdp": False})
+        if saved != layout:
+            raise ValueError(f"{ckpt} was written by a run with {saved}; this one has {layout}. Resume with the same "
+                             "number of processes, --accumulate and --fsdp, or start in a new --out.")
+        parallel.load(state["model"], state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         step, start_epoch, skip = state["step"], state["epoch"], state["batches_done"]
         clock["offset"] = clock["now"] = state.get("elapsed", 0.0)
         if main:
             log(f"resumed from {ckpt} at step {step} (epoch {start_epoch}, batch {skip})")
-    draft.train()
-    model, opt = accelerator.prepare(TTTObjective(draft, cfg.ttt_length, cfg.target_temperature), opt)
-    unwrapped = accelerator.unwrap_model(model).draft
     embed = embed.to(accelerator.device)
     unwrapped._target_embedding = (embed,)
     if main:
         (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
     t0 = clock["start"] = time.time()
     tokens_seen = 0
-    selection = _Selection(out, data, cfg) if cfg.select_by == "holdout" and main else None
+    selection = _Selection(out, data, cfg, draft, embed) if cfg.select_by == "holdout" and main else None
 
     def save(epoch, batches_done):
+        model_state, optimizer_state = parallel.model_state(), parallel.optimizer_state()  # collectives under FSDP
         if main:  # one writer; every process holds the same weights
             tmp = out / "checkpoint.tmp"
             torch.save(
                 {
-                    "model": unwrapped.state_dict(),
-                    "optimizer": opt.state_dict(),
+                    "model": model_state,
+                    "optimizer": optimizer_state,
+                    "layout": {"processes": world, "accumulate": cfg.accumulate, "fsdp": parallel.sharded},
                     "scheduler": sched.state_dict(),
                     "step": step,
                     "epoch": epoch,
@@ -309,49 +329,60 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
             )
             tmp.replace(ckpt)
             if selection is not None:
-                score = selection.score(unwrapped, step)
+                score = selection.score(model_state, step)
                 if score is not None:
                     logf.write(json.dumps({"step": step, "holdout_acceptance_length": round(score, 4)}) + "\n")
                     logf.flush()
         accelerator.wait_for_everyone()
 
     def rounds(epoch):
-        """This process's batches: each round of ``world`` consecutive batches gives one to every process; an
-        incomplete last round is left out (every process must take the same number of optimiser steps)."""
+        """This process's batches of each optimiser step: a round of ``world * accumulate`` consecutive batches
+        gives process r batches r, r + world, ...; an incomplete last round is left out (every process must take
+        the same number of optimiser steps)."""
         pending = []
         for bi, (_, _, items) in enumerate(data.batches(epoch)):
             pending.append(items)
-            if len(pending) == world:
-                yield bi + 1, pending[rank]
+            if len(pending) == per_step:
+                yield bi + 1, pending[rank::world]
                 pending = []
 
     ended = None
     with open(out / "log.jsonl", "a") if main else contextlib.nullcontext() as logf:
         for epoch in range(start_epoch, cfg.epochs):
-            for batches_done, items in rounds(epoch):
+            for batches_done, micro in rounds(epoch):
                 if epoch == start_epoch and batches_done <= skip:
                     continue
-                batch = collate(items, t2d, lm_rows, cfg.prompt_loss_weight)
-                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-                with accelerator.autocast():
-                    loss, stats = model(batch["features"], batch["input_ids"], batch["target_logits"], batch["loss_mask"])
-                accelerator.backward(loss)
-                accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                losses, accs = [], []
+                for j, items in enumerate(micro):
+                    batch = collate(items, t2d, lm_rows, cfg.prompt_loss_weight)
+                    batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+                    with parallel.no_sync(skip=j < len(micro) - 1):
+                        with accelerator.autocast():
+                            loss, stats = model(batch["features"], batch["input_ids"], batch["target_logits"],
+                                                batch["loss_mask"])
+                        accelerator.backward(loss / len(micro))
+                    losses.append(loss.detach().float())
+                    accs.append(stats["acc"])
+                    tokens_seen += int(batch["loss_mask"].sum())
+                loss = torch.stack(losses).mean()
+                parallel.clip_grad_norm_(cfg.grad_clip)
                 clock["now"] = elapsed()
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
                 step += 1
-                tokens_seen += int(batch["loss_mask"].sum())
                 if step % cfg.log_every == 0 or step == 1:
                     tokens = tokens_seen
+                    acc = torch.tensor(accs, dtype=torch.float64).mean(0)
                     if world > 1:  # every process logs at the same steps: a collective is safe here
                         tokens = int(accelerator.reduce(torch.tensor(tokens_seen, device=accelerator.device), "sum"))
+                        loss = accelerator.reduce(loss, "mean")  # the step's loss over every process's batches
+                        acc = accelerator.reduce(acc.to(accelerator.device), "mean").cpu()
                     rec = {
                         "step": step,
                         "epoch": epoch,
-                        "loss": float(loss.detach()),
-                        "acc": [round(a, 4) for a in stats["acc"]],
+                        "loss": float(loss),
+                        "acc": [round(float(a), 4) for a in acc],
                         "lr": sched.get_last_lr()[0],
                         "tokens": tokens,
                         "minutes": round((time.time() - t0) / 60, 2),
@@ -383,15 +414,22 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
                           "raise --epochs to train longer")
         log(f"training ended: {ended}")
     accelerator.wait_for_everyone()  # no process leaves (and tears down) while another is still in a collective
+    weights = parallel.model_state()  # the last weights, on every process (a collective under FSDP)
     if cfg.select_by == "holdout":  # the main process chose; every process returns the chosen weights
         changed = torch.tensor([0], device=accelerator.device)
         if selection is not None:
-            message, changed[0] = selection.choose(unwrapped, step)
+            message, chosen = selection.choose(step)
             log(message)
+            if chosen is not None:
+                weights, changed[0] = chosen, 1
         if world > 1 and int(broadcast(changed)[0]):
-            for tensor in unwrapped.state_dict().values():
+            weights = {k: v.to(accelerator.device).contiguous() for k, v in weights.items()}
+            for tensor in weights.values():
                 torch.distributed.broadcast(tensor, src=0)
-    final = unwrapped.cpu().eval()
+    final = type(draft)(draft.config) if parallel.sharded else unwrapped  # a plain module, not a sharded one
+    final.generation_config = draft.generation_config
+    final.load_state_dict({k: v.detach().cpu() for k, v in weights.items()})
+    final = final.cpu().eval()
     final._target_embedding = None
     return final
 
@@ -408,46 +446,45 @@ class _Selection:
         cfg: the run's settings (``select_chain_length``, ``batch_tokens``).
     """
 
-    def __init__(self, out: Path, data: FeatureShards, cfg: TrainConfig):
+    def __init__(self, out: Path, data: FeatureShards, cfg: TrainConfig, draft: Eagle3DraftModel, embed):
         self.path = out / "best.pt"
         self.data = data
+        self.scorer = type(draft)(draft.config).to(embed.weight.device).eval()  # plain weights, whatever the layout
+        self.scorer._target_embedding = (embed,)
         self.k, self.batch_tokens = cfg.select_chain_length, cfg.batch_tokens
         self.best = torch.load(self.path, weights_only=False) if self.path.exists() else None
         self.scored = {}  # step -> score, this run
 
-    def score(self, draft: Eagle3DraftModel, step: int) -> float | None:
-        """Score ``draft`` (the weights at ``step``) and keep them if they are the best so far; ``None`` if this
-        step was scored already."""
+    def score(self, weights: dict, step: int) -> float | None:
+        """Score the draft's ``weights`` (a full state dict, at ``step``) and keep them if they are the best so
+        far; ``None`` if this step was scored already."""
         if step in self.scored or (self.best is not None and self.best["step"] == step):
             return None
-        was_training = draft.training
-        draft.eval()
+        self.scorer.load_state_dict(weights)
         items = self.data.records(self.data.holdout)  # read when scored: held-out features can be large
-        score = replay_chain_acceptance(draft, items, self.k, self.batch_tokens).mean_acceptance_length
-        draft.train(was_training)
+        score = replay_chain_acceptance(self.scorer, items, self.k, self.batch_tokens).mean_acceptance_length
         self.scored[step] = score
         if self.best is None or score > self.best["score"]:
             self.best = {"step": step, "score": score,
-                         "model": {k: v.detach().cpu().clone() for k, v in draft.state_dict().items()}}
+                         "model": {k: v.detach().cpu().clone() for k, v in weights.items()}}
             tmp = self.path.with_suffix(".tmp")
             torch.save(self.best, tmp)
             tmp.replace(self.path)
         return score
 
-    def choose(self, draft: Eagle3DraftModel, step: int) -> tuple[str, bool]:
-        """Load the best checkpoint's weights into ``draft`` (holding the weights at ``step``); return what was chosen
-        (a line to log) and whether the weights changed."""
+    def choose(self, step: int) -> tuple[str, dict | None]:
+        """What was chosen (a line to log) and the chosen weights, or ``None`` where they are the last ones (those
+        at ``step``)."""
         if self.best is None:
-            return "select_by holdout: no checkpoint was scored; the last weights are returned", False
+            return "select_by holdout: no checkpoint was scored; the last weights are returned", None
         last = self.scored.get(step)
         chosen = self.best["step"]
-        if chosen != step:
-            draft.load_state_dict(self.best["model"])
         (self.path.parent / "selection.json").write_text(json.dumps(
             {"selected_step": chosen, "selected_score": self.best["score"], "last_step": step, "last_score": last,
              "metric": f"held-out mean acceptance length, greedy chain of {self.k}"}, indent=2))
         return (f"selected the checkpoint of step {chosen} (held-out mean acceptance length {self.best['score']:.3f}"
-                + (f"; last step {step}: {last:.3f})" if last is not None else ")")), chosen != step
+                + (f"; last step {step}: {last:.3f})" if last is not None else ")")), \
+            (self.best["model"] if chosen != step else None)
 
 
 def end_distributed() -> None:
