@@ -61,7 +61,7 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def load_target(target: str | None = None, dtype: torch.dtype | str | None = None, device: str | None = None,
-                tokenizer: str = "required"):
+                tokenizer: str = "required", device_map=None):
     """Load the target model and its tokenizer.
 
     Args:
@@ -72,6 +72,9 @@ def load_target(target: str | None = None, dtype: torch.dtype | str | None = Non
         device: where to put the model (``"cpu"``, ``"cuda"``, ...); default CPU.
         tokenizer: ``"required"`` (a missing tokenizer raises), ``"optional"`` (``None`` when the target has none)
             or ``"none"`` (not loaded).
+        device_map: spread the target over several devices (``"auto"``, ``"balanced"``, or a dict of module name
+            to device), through ``from_pretrained(device_map=...)``, for targets that do not fit on one; excludes
+            ``device``.
 
     Returns:
         ``(model, tokenizer or None)``, the model in eval mode.
@@ -79,9 +82,15 @@ def load_target(target: str | None = None, dtype: torch.dtype | str | None = Non
     if tokenizer not in ("required", "optional", "none"):
         raise ValueError(f"tokenizer={tokenizer!r}: use 'required', 'optional' or 'none'")
     dtype = parse_dtype(dtype) or torch.float32
+    if device_map is not None and device is not None:
+        raise ValueError(f"device={device!r} and device_map={device_map!r}: give one (device_map places the target "
+                         "over several devices).")
     if target in (None, "smollm2"):
         from hf_eagle3.smollm2 import load_smollm2
 
+        if device_map is not None:
+            raise ValueError("device_map needs a target given by Hub id or directory (the built-in SmolLM2 fits on "
+                             "one device): pass device= instead.")
         model, tok = load_smollm2(dtype=dtype)
         tok = None if tokenizer == "none" else tok
     else:
@@ -94,7 +103,8 @@ def load_target(target: str | None = None, dtype: torch.dtype | str | None = Non
             except (OSError, ValueError, TypeError):
                 if tokenizer == "required":
                     raise
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
+        placed = {} if device_map is None else {"device_map": device_map}
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placed).eval()
     if device is not None:
         model = model.to(device)
     return model, tok

@@ -39,6 +39,21 @@ def process_share(num_shards: int | None, shard_index: int | None) -> tuple[int,
     return n, i
 
 
+def parse_device_map(text: str | None):
+    """``--device-map``: ``None``, a name ``from_pretrained`` knows (``"auto"``, ``"balanced"``, ...) or a JSON
+    object of module name to device.
+
+    Args:
+        text: the option's value.
+    """
+    if text is None or not text.lstrip().startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"--device-map {text}: not a JSON object ({err}).") from None
+
+
 def cmd_prepare(args) -> None:
     """Regenerate responses to a prompt file with the target (resumable); prints the dtype chosen first. With
     ``--self-prompts N`` the target first writes N prompts of its own, which are then answered like the others.
@@ -80,10 +95,13 @@ def cmd_prepare(args) -> None:
                              "written if you like), then launch the processes with the same options.")
         if args.exclude_prompts:
             exclude = read_exclude_prompts(args.exclude_prompts)
-    device = args.device or default_device()
-    dtype, line = resolve_dtype(args.dtype, device)
+    device_map = parse_device_map(args.device_map)
+    if device_map is not None and args.device is not None:
+        raise SystemExit(f"--device {args.device} and --device-map {args.device_map}: give one.")
+    device = None if device_map is not None else args.device or default_device()
+    dtype, line = resolve_dtype(args.dtype, device or default_device())
     print(line)
-    model, tok = load_target(args.target, dtype, device=device)
+    model, tok = load_target(args.target, dtype, device=device, device_map=device_map)
     files = [args.prompts] if args.prompts is not None else []
     if self_file is not None:
         from .self_prompts import write_self_prompts
@@ -328,6 +346,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-feature-prompt-tokens", type=int, default=256,
                    help="prompt positions kept per record in the feature shards (default 256)")
     p.add_argument("--device", default=None, help="where the target runs (default: cuda:LOCAL_RANK if CUDA, else cpu)")
+    p.add_argument("--device-map", default=None,
+                   help="spread a target too large for one device over several: auto, balanced, sequential, or a "
+                   "JSON object of module name to device (from_pretrained's device_map; excludes --device; with "
+                   "torchrun give each process its own devices with CUDA_VISIBLE_DEVICES) (default: one device)")
     p.add_argument("--self-prompts", type=int, default=0,
                    help="first have the target write N prompts of its own (Magpie: its chat template up to a user "
                    "turn, sampled with --seed; degenerate, duplicate and --exclude-prompts-overlapping ones dropped), "

@@ -63,6 +63,13 @@ def iter_records(out_dir: str | os.PathLike) -> Iterable[dict]:
                     pass
 
 
+def _input_device(model) -> torch.device:
+    """Where ``model``'s inputs go: its input embedding's device (the first device of a target spread over several
+    with ``device_map``; the CPU when accelerate keeps that embedding offloaded)."""
+    device = model.get_input_embeddings().weight.device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 def _cut_at_eos(ids: list[int], eos: set[int]) -> list[int]:
     """``ids`` up to and including the first end-of-sequence token."""
     for j, t in enumerate(ids):
@@ -201,7 +208,7 @@ def prepare(
 
         bar = tqdm(total=pending, desc="prepare", unit="turn")
     torch.manual_seed(seed + shard_index)
-    device = next(model.parameters()).device
+    device = _input_device(model)
     n_tokens, t0, too_long = 0, time.perf_counter(), 0
     recorder, extra = None, {}
     if features_dir is not None:
