@@ -32,6 +32,7 @@ BAD = [
     {"id": "nouser", "messages": [{"role": "system", "content": "x"}, {"role": "assistant", "content": "y"}]},
     {"id": "latesys", "messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]},
     {"id": "nothing", "text": "no conversation here"},
+    {"id": "one", "prompt": "A second row with the id of another."},
 ]
 
 
@@ -57,20 +58,21 @@ def test_layouts_are_read_as_conversations_and_bad_rows_counted(tmp_path):
     assert [m["role"] for m in share] == ["system", "user", "assistant", "user"]
     assert share[0]["content"] == "You are terse." and share[2]["content"] == "Four."
     assert [m["content"] for m in convs[3]["messages"]] == ["First question?", "Second question?"]
-    assert summary.read == 10 and summary.kept == 4
+    assert summary.read == 11 and summary.kept == 4
     assert dict(summary.skipped) == {
         "empty user turn": 1,
         "unknown role 'tool' (known: system, user, assistant, human, gpt)": 1,
         "no user turn": 1,
         "a system prompt after the first message": 1,
         "no 'messages', 'conversations', 'prompt' or 'turns' field": 1,
+        "an id seen before (ids name a conversation's answers on disk)": 1,
         "not JSON": 1,
     }
-    assert summary.first["not JSON"].endswith("d.jsonl:10")
+    assert summary.first["not JSON"].endswith("d.jsonl:11")
     # a JSON file holding a list of rows (ShareGPT's usual layout) reads the same
     (tmp_path / "d.json").write_text(json.dumps(CHAT + BAD))
     again, summary = read_conversations(tmp_path / "d.json")
-    assert again == convs and summary.kept == 4 and sum(summary.skipped.values()) == 5
+    assert again == convs and summary.kept == 4 and sum(summary.skipped.values()) == 6
     with pytest.raises(FileNotFoundError, match="no such file"):
         read_conversations(tmp_path / "missing.jsonl")
 
@@ -98,7 +100,7 @@ def test_every_user_turn_is_answered_by_the_target_in_order(tmp_path, tok, targe
     lines = []
     out = prepare(target, tok, data, tmp_path / "out", max_new_tokens=5, batch_size=3, progress=False,
                   log=lines.append)
-    assert lines[0] == "4 conversation(s) of 9 row(s) read, 5 skipped:"
+    assert lines[0] == "4 conversation(s) of 10 row(s) read, 6 skipped:"
     records = {(r["id"], r["turn"]): r for r in iter_records(out)}
     assert sorted(records) == [("bench", 0), ("bench", 1), ("chat", 0), ("chat", 1), ("one", 0), ("share", 0),
                                ("share", 1)]

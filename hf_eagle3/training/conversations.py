@@ -9,7 +9,7 @@ Accepted rows (JSON Lines, a JSON file holding a list of rows, a ``datasets`` fo
 - one prompt: ``{"prompt": str}``; user turns only: ``{"turns": [str, ...]}`` (MT-bench's layout).
 
 A row's id is its ``"id"`` (or ``"question_id"``), else its position in the source. A row that cannot be used (an
-empty turn, an unknown role, no user turn, a system prompt after the first message, not JSON) is a
+empty turn, an unknown role, no user turn, a system prompt after the first message, an id seen before, not JSON) is a
 :class:`BadRow`: :func:`read_conversations` counts and skips it and says why in its :class:`ReadSummary`, so that a
 long job never stops halfway on one bad row. Rows the target's chat template cannot render are counted the same way
 by :func:`check_template`.
@@ -162,7 +162,7 @@ def read_conversations(source: str | os.PathLike, limit: int | None = None, spli
         ``(conversations, summary)``: ``{"id", "messages"}`` dicts in source order and a :class:`ReadSummary`.
     """
     summary = ReadSummary()
-    out = []
+    out, seen = [], set()
     for where, row in _rows(source, split):
         if limit is not None and len(out) >= limit:
             break
@@ -170,7 +170,11 @@ def read_conversations(source: str | os.PathLike, limit: int | None = None, spli
         try:
             if isinstance(row, BadRow):
                 raise row
-            out.append(to_conversation(row, summary.read - 1))
+            conversation = to_conversation(row, summary.read - 1)
+            if conversation["id"] in seen:  # its turns would be taken for the first one's on a resume
+                raise BadRow("an id seen before (ids name a conversation's answers on disk)")
+            seen.add(conversation["id"])
+            out.append(conversation)
         except BadRow as bad:
             summary.skip(where, str(bad))
     summary.kept = len(out)
