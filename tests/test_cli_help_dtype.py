@@ -57,7 +57,9 @@ def test_auto_dtype_on_gpus_and_unknown_machines(monkeypatch):
     assert hardware.cpu_flags("/nonexistent/cpuinfo") is None
 
 
-def test_prepare_and_train_default_to_auto_and_print_the_choice(cpu_flags, monkeypatch, capsys):
+def test_prepare_and_train_default_to_auto_and_print_the_choice(cpu_flags, monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "prompt": "Hello?"}\n')  # prepare reads its data before loading
     parser = build_parser()
     args = parser.parse_args(["prepare", "--prompts", "p.jsonl", "--out", "o"])
     assert args.dtype == "auto"
@@ -147,7 +149,8 @@ def test_train_warns_about_small_data_and_says_what_ended_it(tmp_path):
         draft = init_draft(draft_config_for_target(head["config"], 64, intermediate_size=96), head, d2t, t2d)
         cfg = TrainConfig(ttt_length=2, batch_tokens=4096, mixed_precision="no", save_every=1000, **overrides)
         train(draft, feats, tmp_path / name, cfg, log=lines.append)
-        return lines
+        assert lines[-1].startswith("selected the checkpoint of step ")  # after the end line, the selection's
+        return lines[:-1]
 
     lines = run("epochs", epochs=3, warmup_steps=50)  # one training shard of 2 short records: one batch per epoch
     assert lines[0] == "mixed precision: no (as given)"

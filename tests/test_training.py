@@ -118,6 +118,24 @@ def test_ttt_loss_matches_direct_computation_and_masking():
     assert grads and all(g is not None and not g.any() for g in grads)
 
 
+def test_sliding_window_drafts_train_where_the_window_does_not_bind():
+    """A sliding-window draft (speculators' default layout) computes on sequences shorter than its window what a
+    full-attention one does, so it trains and evaluates exactly; where the window would bind, a clear error."""
+    torch.manual_seed(3)
+    _, draft = _bound_draft()
+    b, n, T, dv = 2, 9, draft.config.target_hidden_size, draft.config.draft_vocab_size
+    feats, ids = torch.randn(b, n, 3 * T), torch.randint(0, 64, (b, n))
+    tlogits, mask = torch.randn(b, n, dv), torch.ones(b, n)
+    full, _ = ttt_loss(draft, feats, ids, tlogits, mask, ttt_length=3)
+    # step k at base position t sits at position t + k and attends position 0: at most (n - 2) + 2 = 9 apart
+    draft.midlayer.self_attn.sliding_window = n + 1
+    windowed, _ = ttt_loss(draft, feats, ids, tlogits, mask, ttt_length=3)
+    torch.testing.assert_close(windowed, full)
+    draft.midlayer.self_attn.sliding_window = n  # 9 apart: the window binds
+    with pytest.raises(ValueError, match=r"sliding window \(9\) binds on these sequences \(8 positions, step 3\)"):
+        ttt_loss(draft, feats, ids, tlogits, mask, ttt_length=3)
+
+
 def test_ttt_loss_target_temperature_sharpens_the_soft_labels():
     torch.manual_seed(2)
     _, draft = _bound_draft()

@@ -40,11 +40,18 @@ if [ ! -f spec/done ]; then
           | python -c "import sys; v = [float(x) for x in sys.stdin]; print(sum(v) / len(v) / 1000)")
     STEPS=$(python -c "print(max(1, round($MINUTES * 60 / $CAL)))")
     echo "speculators: $CAL s a step -> --max-steps $STEPS"
-    /usr/bin/time -f "speculators wall %e s" "$SPEC" "$HERE/train_speculators_cpu.py" "${COMMON[@]}" \
-        --save-path spec --max-steps "$STEPS" 2>&1 | tee spec.log
-    touch spec/done
+    # After --max-steps it still takes one step, a validation and a checkpoint in every remaining epoch: the run is
+    # stopped once the checkpoint of step STEPS is written, and that checkpoint is the one compared.
+    "$SPEC" "$HERE/train_speculators_cpu.py" "${COMMON[@]}" --save-path spec --max-steps "$STEPS" > spec.log 2>&1 &
+    PID=$!
+    until grep -qs "\"global_step\": $STEPS}" spec/[0-9]*/training_state.json; do
+        kill -0 $PID 2>/dev/null || break
+        sleep 10
+    done
+    sleep 10 && kill $PID 2>/dev/null || true
+    grep -ls "\"global_step\": $STEPS}" spec/[0-9]*/training_state.json | head -1 | xargs dirname > spec/done
 fi
-SPEC_DRAFT=$(ls -d spec/[0-9]* | sort -t/ -k2 -n | tail -1)
+SPEC_DRAFT=$(cat spec/done)
 
 # 4. Both drafts loaded the same way in hf-eagle3: held-out replay (per position) and decoded MT-bench turn 1.
 for name in hf/draft "$SPEC_DRAFT"; do

@@ -54,11 +54,17 @@ class TTTAttention:
         """Store this step's ``k``/``v`` ([B, kv_heads, m, D]) and attend ``q`` ([B, heads, m, D]) over all steps.
 
         Raises:
-            ValueError: for a sliding-window draft (``window`` not ``None``): this attention has no window.
+            ValueError: for a sliding-window draft whose window binds here: this attention has no window. A window
+                binds when a query is ``window`` or more positions after a key it attends (step s at base position
+                t sits at position t + s and attends position 0); below that, the draft computes what it would with
+                the window, and sliding-window drafts (speculators' default) train and evaluate exactly.
         """
-        if window is not None:
-            raise ValueError("Training a sliding-window draft is not supported (the training-time-test attention "
-                             "has no window): set `draft_sliding_window = None` to train a full-attention draft.")
+        step, m = len(self.keys), q.shape[2]
+        if window is not None and m - 1 + step >= window:
+            raise ValueError(f"The draft's sliding window ({window}) binds on these sequences ({m} positions, step "
+                             f"{step + 1}) and the training-time-test attention has no window: cut the sequences "
+                             f"below {window - step} tokens (--max-prompt-context, shorter answers), or set "
+                             "`draft_sliding_window = None` to train a full-attention draft.")
         self.keys.append(k)
         self.values.append(v)
         groups = q.shape[1] // k.shape[1]
