@@ -456,13 +456,13 @@ def test_flat_export_of_the_shipped_draft_reads_right_in_the_eagle_reference(tmp
     assert json.loads((tmp_path / "narrow" / "config.json").read_text())["target_hidden_size"] == 64
 
 
-def test_training_a_sliding_window_draft_is_refused():
+def test_training_a_sliding_window_draft_is_refused_where_the_window_binds():
     from hf_eagle3.training.ttt import TTTAttention
 
     draft = tiny_draft(cached_target(), 48, draft_sliding_window=4)
     draft.bind_target(cached_target())
     feats, ids = features_and_ids(n=6)
-    with pytest.raises(ValueError, match="sliding-window draft is not supported"):
+    with pytest.raises(ValueError, match=r"sliding window \(4\) binds on these sequences \(6 positions"):
         draft(input_ids=ids[:, :6], target_features=feats, cache=TTTAttention())
 
 
