@@ -415,6 +415,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
         log(f"training ended: {ended}")
     accelerator.wait_for_everyone()  # no process leaves (and tears down) while another is still in a collective
     weights = parallel.model_state()  # the last weights, on every process (a collective under FSDP)
+    replaced = False  # whether the weights to return are not the trained module's own
     if cfg.select_by == "holdout":  # the main process chose; every process returns the chosen weights
         changed = torch.tensor([0], device=accelerator.device)
         if selection is not None:
@@ -422,13 +423,15 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
             log(message)
             if chosen is not None:
                 weights, changed[0] = chosen, 1
-        if world > 1 and int(broadcast(changed)[0]):
+        replaced = bool(int(broadcast(changed)[0]) if world > 1 else int(changed[0]))
+        if world > 1 and replaced:
             weights = {k: v.to(accelerator.device).contiguous() for k, v in weights.items()}
             for tensor in weights.values():
                 torch.distributed.broadcast(tensor, src=0)
     final = type(draft)(draft.config) if parallel.sharded else unwrapped  # a plain module, not a sharded one
     final.generation_config = draft.generation_config
-    final.load_state_dict({k: v.detach().cpu() for k, v in weights.items()})
+    if parallel.sharded or replaced:  # else the module holds them already
+        final.load_state_dict({k: v.detach().cpu() for k, v in weights.items()})
     final = final.cpu().eval()
     final._target_embedding = None
     return final
