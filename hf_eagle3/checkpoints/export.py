@@ -1,10 +1,10 @@
 """Write EAGLE-3 drafts in the layouts other tools load: a ``trust_remote_code`` bundle, the flat layout of the EAGLE
-authors / SGLang, and the `speculators` layout of vLLM.
+authors / SGLang, the `speculators` layout of vLLM, and OpenVINO IR for OpenVINO GenAI (:mod:`.openvino`).
 
-Python API: :func:`export_remote_code`, :func:`export_native`, :func:`export_flat`, :func:`export_speculators` and
-the dispatcher :func:`export_draft`. Command line: ``hf-eagle3 export SRC DIR [--remote-code] [--format
-native|flat|speculators] [--dtype bf16|fp16|fp32] [--num-spec-tokens K]`` (the ``hf-eagle3`` entry point calls
-:func:`register`).
+Python API: :func:`export_remote_code`, :func:`export_native`, :func:`export_flat`, :func:`export_speculators`,
+:func:`~hf_eagle3.checkpoints.openvino.export_openvino` and the dispatcher :func:`export_draft`. Command line:
+``hf-eagle3 export SRC DIR [--remote-code] [--format native|flat|speculators|openvino] [--dtype bf16|fp16|fp32]
+[--num-spec-tokens K] [--target T] [--optimum-cli PATH]`` (the ``hf-eagle3`` entry point calls :func:`register`).
 
 What each engine reads (checked against vLLM's ``llama_eagle3.py`` / speculators config adapter and SGLang's
 ``llama_eagle3.py``):
@@ -55,7 +55,7 @@ CORE_DIR = Path(__file__).resolve().parents[1] / "core"
 CORE_FILES = tuple(sorted(p.name for p in CORE_DIR.glob("*.py") if p.name != "__init__.py"))
 AUTO_MAP = {"AutoConfig": "configuration_eagle3.Eagle3Config", "AutoModel": "auto_entry.Eagle3DraftModel"}
 DTYPES = ("bf16", "fp16", "fp32")  # the --dtype choices (any name parse_dtype reads works in Python)
-FORMATS = ("native", "flat", "speculators")
+FORMATS = ("native", "flat", "speculators", "openvino")
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -304,13 +304,15 @@ def export_draft(
     num_speculative_tokens: int | None = None,
     schedule: str | None = DEFAULT_SCHEDULE,
     target=None,
+    optimum_cli: str | os.PathLike | None = None,
 ) -> Path:
     """Convert a draft to the layout asked for (the ``hf-eagle3 export`` command).
 
     Args:
         src (`Eagle3DraftModel`, `str` or `os.PathLike`): the draft, or a checkpoint in any supported layout.
         out_dir (`str` or `os.PathLike`): the directory to write.
-        format (`str`): ``"native"``, ``"flat"`` or ``"speculators"``.
+        format (`str`): ``"native"``, ``"flat"``, ``"speculators"`` or ``"openvino"`` (OpenVINO IR for OpenVINO
+            GenAI, see :mod:`hf_eagle3.checkpoints.openvino`).
         remote_code (`bool`): write a ``trust_remote_code`` bundle (native layout plus the core files).
         dtype (`torch.dtype` or `str`, *optional*): dtype of the floating weights (``"bf16"``, ``"fp16"``,
             ``"fp32"``); default: as stored.
@@ -318,7 +320,10 @@ def export_draft(
         schedule (`str`, *optional*): the ``num_assistant_tokens_schedule`` written to ``generation_config.json``
             (default ``"auto"``: the length, drafting nothing included, chosen each round from costs measured where
             the draft runs); ``None`` keeps the draft's.
-        target (`PreTrainedModel`, *optional*): for ``format="speculators"``, see :func:`export_speculators`.
+        target (`PreTrainedModel`, *optional*): for ``format="speculators"``, see :func:`export_speculators`; for
+            ``format="openvino"``, the target (or its config) whose layer count resolves a draft's default layers.
+        optimum_cli (`str` or `os.PathLike`, *optional*): for ``format="openvino"``, optimum-intel's ``optimum-cli``
+            (default: the one on ``PATH``).
 
     Returns:
         `Path`: ``out_dir``.
@@ -333,6 +338,10 @@ def export_draft(
         )
     if num_speculative_tokens is not None and format != "speculators":
         raise ValueError("--num-spec-tokens only applies to --format speculators.")
+    if optimum_cli is not None and format != "openvino":
+        raise ValueError("--optimum-cli only applies to --format openvino.")
+    if target is not None and format not in ("speculators", "openvino"):
+        raise ValueError("--target only applies to --format speculators or openvino.")
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {schedule!r}")
     draft = as_draft(src)
@@ -346,6 +355,12 @@ def export_draft(
             return export_native(draft, out_dir, dtype=dtype)
         if format == "flat":
             return export_flat(draft, out_dir, dtype=dtype)
+        if format == "openvino":
+            from .openvino import export_openvino
+
+            config = getattr(target, "config", target)
+            layers = config.get_text_config().num_hidden_layers if config is not None else None
+            return export_openvino(draft, out_dir, dtype=dtype, optimum_cli=optimum_cli, num_target_layers=layers)
         return export_speculators(draft, out_dir, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
                                   target=target)
     finally:
@@ -358,8 +373,11 @@ def _run(args: argparse.Namespace) -> int:
         print("hf-eagle3 export: error: --remote-code writes the native layout; drop --format "
               f"{args.format} (pass a flat or speculators checkpoint as SRC to convert it).", file=sys.stderr)
         return 2
-    if args.target is not None and args.format != "speculators":
-        print("hf-eagle3 export: error: --target only applies to --format speculators.", file=sys.stderr)
+    if args.target is not None and args.format not in ("speculators", "openvino"):
+        print("hf-eagle3 export: error: --target only applies to --format speculators or openvino.", file=sys.stderr)
+        return 2
+    if args.optimum_cli is not None and args.format != "openvino":
+        print("hf-eagle3 export: error: --optimum-cli only applies to --format openvino.", file=sys.stderr)
         return 2
     if args.num_spec_tokens is not None and args.format != "speculators":
         print("hf-eagle3 export: error: --num-spec-tokens only applies to --format speculators.", file=sys.stderr)
@@ -373,14 +391,28 @@ def _run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             num_speculative_tokens=args.num_spec_tokens,
             schedule=None if args.schedule == "keep" else args.schedule,
-            target=load_target(args.target, tokenizer="none")[0] if args.target else None,
+            target=_target_for(args),
+            optimum_cli=args.optimum_cli,
         )
-    except (ValueError, TypeError, OSError) as err:
+    except (ValueError, TypeError, OSError, RuntimeError) as err:
         print(f"hf-eagle3 export: error: {err}", file=sys.stderr)
         return 1
     kind = "remote-code bundle" if args.remote_code else f"{args.format} checkpoint"
     print(f"wrote {kind} to {out}")
     return 0
+
+
+def _target_for(args: argparse.Namespace):
+    """The ``--target`` an export needs: the model (speculators: its embedding) or only its config (openvino)."""
+    if not args.target:
+        return None
+    if args.format == "openvino":
+        from transformers import AutoConfig
+
+        from ..smollm2 import smollm2_path
+
+        return AutoConfig.from_pretrained(str(smollm2_path()) if args.target == "smollm2" else args.target)
+    return load_target(args.target, tokenizer="none")[0]
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -396,7 +428,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     """
     parser = subparsers.add_parser(
         "export",
-        help="convert a draft to a trust_remote_code bundle, the flat (SGLang) or the speculators (vLLM) layout",
+        help="convert a draft to a trust_remote_code bundle, the flat (SGLang), the speculators (vLLM) layout or "
+        "OpenVINO IR (OpenVINO GenAI)",
         description="Convert an EAGLE-3 draft (native, flat or speculators layout) to another layout.",
     )
     parser.add_argument("src", metavar="SRC", help="draft directory or Hub id, in any supported layout")
@@ -421,7 +454,15 @@ def register(subparsers) -> argparse.ArgumentParser:
         "--target",
         default=None,
         help="with --format speculators: the target (Hub id, directory, or smollm2), whose embedding is written for a "
-        "draft that shares it, as speculators' own checkpoints carry it (default: none; a warning then)",
+        "draft that shares it, as speculators' own checkpoints carry it (default: none; a warning then); with "
+        "--format openvino: the target whose layer count resolves the layers of a draft that does not pin them",
+    )
+    parser.add_argument(
+        "--optimum-cli",
+        default=None,
+        metavar="PATH",
+        help="with --format openvino: optimum-intel's optimum-cli, installed in an environment of its own "
+        "(transformers<5.6; docs/layouts.md) (default: optimum-cli on PATH)",
     )
     parser.add_argument(
         "--schedule",
