@@ -409,7 +409,7 @@ def register(subparsers) -> None:
     t.add_argument("--init-draft", default=None,
                    help="start from this trained draft instead of a new one (default: a new draft)")
     t.add_argument("--ttt-length", type=int, default=7, help="draft steps unrolled per position (default 7)")
-    t.add_argument("--lr", type=float, default=1e-4, help="peak learning rate of AdamW (default 1e-4)")
+    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of AdamW (default 0.001)")
     t.add_argument("--epochs", type=int, default=1, help="passes over the training shards (default 1)")
     t.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch (default 4096)")
     t.add_argument("--warmup-steps", type=int, default=50,
