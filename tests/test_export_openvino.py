@@ -17,13 +17,8 @@ import pytest
 from conftest import cached_target, tiny_draft
 
 from hf_eagle3 import Eagle3Config
-from hf_eagle3.checkpoints.export import export_draft
-from hf_eagle3.checkpoints.openvino import (
-    check_openvino_layout,
-    export_openvino,
-    openvino_layer_ids,
-    write_openvino_layers,
-)
+from hf_eagle3.checkpoints.export import export_draft, export_openvino
+from hf_eagle3.checkpoints.openvino import check_openvino_layout, openvino_layer_ids, write_openvino_layers
 from hf_eagle3.loading import shipped_draft_path
 
 IR_XML = """<?xml version="1.0"?>

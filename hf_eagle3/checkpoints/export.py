@@ -2,7 +2,7 @@
 authors / SGLang, the `speculators` layout of vLLM, and OpenVINO IR for OpenVINO GenAI (:mod:`.openvino`).
 
 Python API: :func:`export_remote_code`, :func:`export_native`, :func:`export_flat`, :func:`export_speculators`,
-:func:`~hf_eagle3.checkpoints.openvino.export_openvino` and the dispatcher :func:`export_draft`. Command line:
+:func:`export_openvino` and the dispatcher :func:`export_draft`. Command line:
 ``hf-eagle3 export SRC DIR [--remote-code] [--format native|flat|speculators|openvino] [--dtype bf16|fp16|fp32]
 [--num-spec-tokens K] [--target T] [--optimum-cli PATH]`` (the ``hf-eagle3`` entry point calls :func:`register`).
 
@@ -39,6 +39,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -48,6 +49,14 @@ from ..core.config_layouts import native_to_flat_config, native_to_speculators_c
 from ..core.modeling_eagle3 import Eagle3DraftModel
 from ..core.settings import SAVED_DRAFT_SETTINGS, SCHEDULES
 from ..loading import load_target, parse_dtype
+from .openvino import (
+    check_openvino_layout,
+    check_output_dir,
+    convert_flat,
+    find_optimum_cli,
+    openvino_layer_ids,
+    weight_format,
+)
 
 CORE_DIR = Path(__file__).resolve().parents[1] / "core"
 # The files a remote-code bundle carries: every module of the core folder (its ``__init__`` is the folder's map).
@@ -295,6 +304,40 @@ def export_speculators(
     return out
 
 
+def export_openvino(
+    draft,
+    out_dir: str | os.PathLike,
+    dtype=None,
+    optimum_cli: str | os.PathLike | None = None,
+    num_target_layers: int | None = None,
+) -> Path:
+    """Convert a draft to OpenVINO IR for OpenVINO GenAI, its captured layers written where GenAI reads them.
+
+    The checks come first (weights format, output folder, optimum-cli, a layout GenAI can run, the layer list), then
+    the flat layout goes to a temporary folder and :func:`~hf_eagle3.checkpoints.openvino.convert_flat` converts it.
+    A failure leaves nothing behind (:mod:`hf_eagle3.checkpoints.openvino` has what GenAI reads and why).
+
+    Args:
+        draft (`Eagle3DraftModel`, `str` or `os.PathLike`): the draft, or a checkpoint in any supported layout.
+        out_dir (`str` or `os.PathLike`): the folder to write (new, or empty).
+        dtype (`str` or `torch.dtype`, *optional*): ``"fp32"`` (default) or ``"fp16"`` weights in the IR.
+        optimum_cli (`str` or `os.PathLike`, *optional*): optimum-intel's ``optimum-cli`` (default: on ``PATH``).
+        num_target_layers (`int`, *optional*): the target's layer count, for a draft that does not pin its layers.
+
+    Returns:
+        `Path`: ``out_dir``, holding ``openvino_model.xml`` / ``.bin`` and the draft's ``config.json``.
+    """
+    fmt = weight_format(dtype)
+    check_output_dir(out_dir)
+    program = find_optimum_cli(optimum_cli)
+    draft = as_draft(draft)
+    check_openvino_layout(draft.config)
+    layers = openvino_layer_ids(draft.config, num_target_layers)
+    with tempfile.TemporaryDirectory(prefix="hf_eagle3_flat_") as tmp:
+        export_flat(draft, tmp, dtype=fmt)
+        return convert_flat(tmp, out_dir, layers, weight_format=fmt, optimum_cli=program)
+
+
 def export_draft(
     src,
     out_dir: str | os.PathLike,
@@ -356,8 +399,6 @@ def export_draft(
         if format == "flat":
             return export_flat(draft, out_dir, dtype=dtype)
         if format == "openvino":
-            from .openvino import export_openvino
-
             config = getattr(target, "config", target)
             layers = config.get_text_config().num_hidden_layers if config is not None else None
             return export_openvino(draft, out_dir, dtype=dtype, optimum_cli=optimum_cli, num_target_layers=layers)

@@ -8,14 +8,17 @@ openvino.genai's ``eagle3_model_transforms.cpp`` and optimum-intel 2.2.0's ``mod
   ints, the OUTPUT of decoder layer ``i``, i.e. our input-of-layer id minus one). optimum-intel writes
   ``eagle3_mode`` there but not the layer list, and GenAI then falls back to ``{2, N // 2, N - 3}`` of the target's
   ``N`` layers in its own convention: for a draft trained on other layers the outputs stay exact and acceptance
-  drops, with no warning. :func:`write_openvino_layers` writes the entry; :func:`export_openvino` runs the whole path.
+  drops, with no warning. :func:`write_openvino_layers` writes the entry; :func:`convert_flat` runs optimum-cli and
+  writes it (``hf_eagle3.checkpoints.export.export_openvino`` is the whole path from a draft).
 * **The layout.** optimum-intel rebuilds the draft as the classic EAGLE-3 layer (residual taken before
   ``hidden_norm``, no feature norms, no output norm, full attention, full rotary, bias-free ``q/k/v``) and GenAI
   swaps the draft's embedding for the target's. A draft outside that layout would convert with some weights ignored,
   so :func:`check_openvino_layout` refuses it before any work, naming what GenAI cannot run.
 
+This module reads configurations and files only (no model code), so ``export.py`` builds on it.
+
 optimum-intel 2.2.0 pins ``transformers<5.6`` (below hf-eagle3's floor), so ``optimum-cli`` lives in an environment
-of its own and :func:`export_openvino` calls it as a program (docs/layouts.md has the setup). optimum-intel builds
+of its own and :func:`convert_flat` calls it as a program (docs/layouts.md has the setup). optimum-intel builds
 every EAGLE-3 draft from its own modelling file through Transformers' remote-code loader, hence its
 ``--trust-remote-code``; the flat checkpoint handed to it carries no code.
 """
@@ -93,7 +96,7 @@ def openvino_layer_ids(config, num_target_layers: int | None = None) -> list[int
 def write_openvino_layers(ir_dir: str | os.PathLike, layer_ids: list[int]) -> Path:
     """Write ``eagle3_mode`` and ``hidden_layers_list`` into the ``rt_info`` of a converted draft's IR.
 
-    For a draft converted with ``optimum-cli export openvino`` directly; :func:`export_openvino` calls it. Only
+    For a draft converted with ``optimum-cli export openvino`` directly; :func:`convert_flat` calls it. Only
     ``openvino_model.xml`` is rewritten (the weights file is left as it is).
 
     Args:
@@ -136,54 +139,60 @@ def find_optimum_cli(optimum_cli: str | os.PathLike | None = None) -> str:
     return found
 
 
-def export_openvino(
-    draft,
-    out_dir: str | os.PathLike,
-    dtype=None,
-    optimum_cli: str | os.PathLike | None = None,
-    num_target_layers: int | None = None,
-) -> Path:
-    """Convert a draft to OpenVINO IR for OpenVINO GenAI, its captured layers written where GenAI reads them.
-
-    Steps: the layout and layer checks (before any work), the flat layout to a temporary folder, optimum-intel's
-    ``optimum-cli export openvino --task text-generation-with-past --trust-remote-code`` into a temporary folder
-    beside ``out_dir``, :func:`write_openvino_layers`, then the move to ``out_dir``. A failure leaves nothing behind.
+def weight_format(dtype=None) -> str:
+    """The ``optimum-cli --weight-format`` for an export ``dtype``: ``"fp32"`` (default) or ``"fp16"``.
 
     Args:
-        draft (`Eagle3DraftModel`, `str` or `os.PathLike`): the draft, or a checkpoint in any supported layout.
-        out_dir (`str` or `os.PathLike`): the folder to write (must not exist, or be empty).
-        dtype (`str` or `torch.dtype`, *optional*): ``"fp32"`` (default) or ``"fp16"`` weights in the IR.
+        dtype (`str` or `torch.dtype`, *optional*): ``"fp32"`` / ``"fp16"`` (or their torch dtypes); ``None`` = fp32.
+    """
+    name = str(dtype).replace("torch.", "") if dtype is not None else None
+    if name not in WEIGHT_FORMATS:
+        raise ValueError(f"OpenVINO IR stores fp32 or fp16 weights; got dtype {dtype!r} (use fp32 or fp16).")
+    return WEIGHT_FORMATS[name]
+
+
+def check_output_dir(out_dir: str | os.PathLike) -> Path:
+    """Return ``out_dir`` as a `Path`; raise `FileExistsError` unless it is new or an empty folder.
+
+    Args:
+        out_dir (`str` or `os.PathLike`): where the IR is to go.
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder; pass a new one.")
+    return out
+
+
+def convert_flat(flat_dir: str | os.PathLike, out_dir: str | os.PathLike, layer_ids: list[int],
+                 weight_format: str = "fp32", optimum_cli: str | os.PathLike | None = None) -> Path:
+    """Convert a flat-layout draft with optimum-cli and write the layer list GenAI reads; nothing is left on failure.
+
+    Runs ``optimum-cli export openvino --task text-generation-with-past --trust-remote-code`` into a temporary folder
+    beside ``out_dir``, then :func:`write_openvino_layers`, then moves the result to ``out_dir``.
+    :func:`hf_eagle3.checkpoints.export.export_openvino` writes the flat checkpoint and calls this.
+
+    Args:
+        flat_dir (`str` or `os.PathLike`): a draft in the flat layout (``export_flat``).
+        out_dir (`str` or `os.PathLike`): the folder to write (new, or empty).
+        layer_ids (`list[int]`): GenAI's convention, see :func:`openvino_layer_ids`.
+        weight_format (`str`): ``"fp32"`` or ``"fp16"``.
         optimum_cli (`str` or `os.PathLike`, *optional*): see :func:`find_optimum_cli`.
-        num_target_layers (`int`, *optional*): see :func:`openvino_layer_ids`.
 
     Returns:
         `Path`: ``out_dir``, holding ``openvino_model.xml`` / ``.bin`` and the draft's ``config.json``.
     """
-    import torch
-
-    from .export import as_draft, export_flat
-
-    name = {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, dtype)
-    if name not in WEIGHT_FORMATS:
-        raise ValueError(f"OpenVINO IR stores fp32 or fp16 weights; got dtype {dtype!r} (use fp32 or fp16).")
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty folder; pass a new one.")
     program = find_optimum_cli(optimum_cli)
-    draft = as_draft(draft)
-    check_openvino_layout(draft.config)
-    layers = openvino_layer_ids(draft.config, num_target_layers)
+    out = check_output_dir(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".hf_eagle3_openvino_", dir=out.parent) as tmp:
-        flat, ir = Path(tmp) / "flat", Path(tmp) / "ir"
-        export_flat(draft, flat, dtype="fp16" if WEIGHT_FORMATS[name] == "fp16" else "fp32")
-        command = [program, "export", "openvino", "-m", str(flat), "--task", "text-generation-with-past",
-                   "--weight-format", WEIGHT_FORMATS[name], "--trust-remote-code", str(ir)]
+        ir = Path(tmp) / "ir"
+        command = [program, "export", "openvino", "-m", str(flat_dir), "--task", "text-generation-with-past",
+                   "--weight-format", weight_format, "--trust-remote-code", str(ir)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0 or not (ir / IR_NAME).is_file():
             tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
             raise RuntimeError(f"optimum-cli failed (exit {done.returncode}): {' '.join(command)}\n{tail}")
-        write_openvino_layers(ir, layers)
+        write_openvino_layers(ir, layer_ids)
         if out.exists():
             out.rmdir()
         shutil.move(str(ir), str(out))
