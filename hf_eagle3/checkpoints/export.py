@@ -55,7 +55,7 @@ from .openvino import (
     convert_flat,
     find_optimum_cli,
     openvino_layer_ids,
-    weight_format,
+    optimum_weight_format,
 )
 
 CORE_DIR = Path(__file__).resolve().parents[1] / "core"
@@ -327,7 +327,7 @@ def export_openvino(
     Returns:
         `Path`: ``out_dir``, holding ``openvino_model.xml`` / ``.bin`` and the draft's ``config.json``.
     """
-    fmt = weight_format(dtype)
+    fmt = optimum_weight_format(dtype)
     check_output_dir(out_dir)
     program = find_optimum_cli(optimum_cli)
     draft = as_draft(draft)

@@ -32,6 +32,8 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from ..core.config_layouts import outputs_of_layers
+
 IR_NAME = "openvino_model.xml"
 # optimum-cli --weight-format for each --dtype; bf16 weights are not a storage format of the IR (OpenVINO's CPU
 # plugin chooses bf16 execution itself where the hardware has it).
@@ -90,7 +92,7 @@ def openvino_layer_ids(config, num_target_layers: int | None = None) -> list[int
             f"OpenVINO GenAI captures the outputs of exactly three decoder layers; this draft reads hidden states "
             f"{list(ids)} (index 0, the embedding output, has no GenAI equivalent)."
         )
-    return [int(i) - 1 for i in ids]
+    return outputs_of_layers(ids)
 
 
 def write_openvino_layers(ir_dir: str | os.PathLike, layer_ids: list[int]) -> Path:
@@ -139,7 +141,7 @@ def find_optimum_cli(optimum_cli: str | os.PathLike | None = None) -> str:
     return found
 
 
-def weight_format(dtype=None) -> str:
+def optimum_weight_format(dtype=None) -> str:
     """The ``optimum-cli --weight-format`` for an export ``dtype``: ``"fp32"`` (default) or ``"fp16"``.
 
     Args:

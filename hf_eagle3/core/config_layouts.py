@@ -17,6 +17,25 @@ from .settings import DEFAULT_DRAFT_LENGTH
 _LAYER_TYPE_NAMES = ("full_attention", "sliding_attention")
 
 
+def outputs_of_layers(ids) -> list[int]:
+    """Layer ids in the output-of-layer convention (SGLang's ``eagle_config``, OpenVINO GenAI's
+    ``hidden_layers_list``: the output of decoder layer ``i``) from ours (hidden state ``i``: the input of layer ``i``).
+
+    Args:
+        ids (`list[int]`): hidden-state indices in our convention (``0`` is the embedding output).
+    """
+    return [int(i) - 1 for i in ids]
+
+
+def inputs_of_layers(ids) -> list[int]:
+    """The inverse of :func:`outputs_of_layers`: output-of-layer ids to hidden-state indices (ours).
+
+    Args:
+        ids (`list[int]`): decoder layer ids whose outputs are read.
+    """
+    return [int(i) + 1 for i in ids]
+
+
 def _pick_layer_type(value, layer_type: str | None):
     """A per-layer-type RoPE dict (``{"full_attention": {...}, "sliding_attention": {...}}``) reduced to the entry of
     ``layer_type`` (else the sliding one, as speculators does, else the full one); other values are returned as is."""
@@ -255,7 +274,7 @@ def config_dict_to_native(cfg: dict, source: str | os.PathLike = "config.json") 
     out["norm_before_residual"] = bool(cfg.get("norm_before_residual", False))
     eagle = cfg.get("eagle_config") or {}
     if eagle.get("eagle_aux_hidden_state_layer_ids"):
-        out["feature_layer_ids"] = [i + 1 for i in eagle["eagle_aux_hidden_state_layer_ids"]]
+        out["feature_layer_ids"] = inputs_of_layers(eagle["eagle_aux_hidden_state_layer_ids"])
     elif cfg.get("eagle_aux_hidden_state_layer_ids"):
         out["feature_layer_ids"] = list(cfg["eagle_aux_hidden_state_layer_ids"])
     return out, layout
@@ -303,7 +322,7 @@ def native_to_flat_config(config: Eagle3Config) -> dict[str, Any]:
         if getattr(config, flag):
             out[flag] = True
     if config.feature_layer_ids is not None:
-        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in config.feature_layer_ids]}
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": outputs_of_layers(config.feature_layer_ids)}
     return out
 
 
