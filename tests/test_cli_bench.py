@@ -279,3 +279,41 @@ def test_demo_exit_code_fails_on_a_float32_mismatch_only(monkeypatch):
     for identical, exact, code in cases:
         monkeypatch.setattr(demo, "run_demo", lambda **kw: {"identical": identical, "exact_dtype": exact})
         assert demo.demo_command(args) == code, (identical, exact)
+
+
+def test_bench_compiled_draft_rows_side_by_side(tmp_path, monkeypatch):
+    """``--compile-draft``: every EAGLE-3 strategy also runs with compiled drafting steps, right after its eager twin,
+    with the same output and acceptance (``aot_eager`` here: the eager kernels); the draft's config is restored."""
+    from hf_eagle3.bench import batched as bench_batched
+    from hf_eagle3.core.modeling_eagle3 import Eagle3DraftModel
+
+    monkeypatch.setattr(bench_strategies, "COMPILE_OPTIONS", {"backend": "aot_eager", "mode": None})
+    compiled_calls = []
+    original = Eagle3DraftModel.step_call
+
+    def spy(self, step):
+        result = original(self, step)
+        compiled_calls.append(result is not step)
+        return result
+
+    monkeypatch.setattr(Eagle3DraftModel, "step_call", spy)
+    target = tiny_target("llama")
+    draft = tiny_draft(target, 128)
+    prompts = loading.load_prompts(write_prompts(tmp_path / "question.jsonl"), 2)
+    report = bench.run_bench(target, draft, ByteTokenizer(), prompts, max_new_tokens=8, ks=(2,), temperature=0,
+                             families=["eagle3_chain", "eagle3_tree"], tree_shapes=((2, 2, 3),), cost_sizes=(),
+                             progress=False, compile_draft=True)
+    names = [r["strategy"] for r in report["results"]]
+    assert names == ["plain", "eagle3-chain k=2", "eagle3-chain k=2 compiled", "eagle3-tree k=2 d=2 n=3",
+                     "eagle3-tree k=2 d=2 n=3 compiled"]
+    assert report["greedy_identical"] and report["settings"]["compile_draft"] is True
+    rows = {r["strategy"]: r for r in report["results"]}
+    for name in ("eagle3-chain k=2", "eagle3-tree k=2 d=2 n=3"):
+        assert rows[f"{name} compiled"]["stats"] == rows[name]["stats"]
+    assert True in compiled_calls and False in compiled_calls
+    assert draft.generation_config.compile_config is None
+    batched = bench_batched.run_batched_bench(target, draft, ByteTokenizer(), ["ab", "abcd"], batch_sizes=(2,),
+                                              max_new_tokens=4, ks=(2,), families=["eagle3_chain"], progress=False,
+                                              compile_draft=True)
+    assert [r["strategy"] for r in batched["results"]] == ["plain", "eagle3-chain k=2", "eagle3-chain k=2 compiled"]
+    assert batched["greedy_identical"]

@@ -51,7 +51,8 @@ def new_tokens(out: torch.LongTensor, prompt_width: int, eos: set) -> list[list[
 
 
 def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=(1, 2, 4, 8), max_new_tokens: int = 64,
-                      ks=(1, 3, 5), families=None, tree_shapes=TREE_SHAPES, progress: bool = True) -> dict:
+                      ks=(1, 3, 5), families=None, tree_shapes=TREE_SHAPES, progress: bool = True,
+                      compile_draft: bool = False) -> dict:
     """
     Time plain batched ``generate`` and the EAGLE-3 strategies on the same batches, greedy.
 
@@ -67,6 +68,7 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
         families (`list[str]`, *optional*): strategy families (default: :data:`BATCHED_FAMILIES`).
         tree_shapes: ``(top_k, depth, total_tokens)`` triples of the tree family.
         progress (`bool`): print one line per batch size on stderr.
+        compile_draft (`bool`): also run every EAGLE-3 strategy with compiled drafting steps, side by side.
 
     Returns:
         ``{"results": [...], "greedy_identical": bool, "mismatches": [...]}``; each result has ``batch_size``,
@@ -76,7 +78,7 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
     families = [f for f in (families or BATCHED_FAMILIES) if f in BATCHED_FAMILIES]
     if "plain" not in families:
         families = ["plain"] + families
-    strategies = build_strategies(ks, families, tree_shapes=tuple(tree_shapes))
+    strategies = build_strategies(ks, families, compile_draft=compile_draft, tree_shapes=tuple(tree_shapes))
     encoded = [(p if isinstance(p, torch.Tensor) else encode_prompt(tokenizer, p)).to(target.device) for p in prompts]
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
     eos = target.generation_config.eos_token_id
@@ -90,18 +92,22 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
         for s in strategies:  # warm-up (and the "auto" costs of this batch size)
             ids, mask = batches[0]
             kwargs = dict(s.generate_kwargs, assistant_model=draft) if s.uses_draft else dict(s.generate_kwargs)
-            target.generate(ids, attention_mask=mask, max_new_tokens=min(8, max_new_tokens), do_sample=False, **kwargs)
+            with s.applied_to(draft):
+                target.generate(ids, attention_mask=mask, max_new_tokens=min(8, max_new_tokens), do_sample=False,
+                                **kwargs)
         for b, (ids, mask) in enumerate(batches):
             reference = None
             for s in strategies:
                 kwargs = dict(s.generate_kwargs, assistant_model=draft) if s.uses_draft else dict(s.generate_kwargs)
-                synchronize(target.device)
-                start = time.perf_counter()
-                out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                      **kwargs)
-                synchronize(target.device)
+                with s.applied_to(draft):
+                    synchronize(target.device)
+                    start = time.perf_counter()
+                    out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                          **kwargs)
+                    synchronize(target.device)
+                    seconds = time.perf_counter() - start
                 total = totals[s.name]
-                total["seconds"] += time.perf_counter() - start
+                total["seconds"] += seconds
                 rows = new_tokens(out, ids.shape[1], eos)
                 total["new_tokens"] += sum(len(r) for r in rows)
                 if s.uses_draft:

@@ -68,6 +68,7 @@ def run_bench(
     meta: dict | None = None,
     progress: bool = True,
     cost_sizes=(1, 2, 4, 8, 16, 32),
+    compile_draft: bool = False,
 ) -> dict:
     """Time every strategy on the same prompts, greedy and (when ``temperature > 0``) sampled.
 
@@ -93,6 +94,8 @@ def run_bench(
         progress: show a tqdm progress bar on stderr.
         cost_sizes: token counts for :func:`~hf_eagle3.core.cost_model.measure_target_seconds` on the first prompt
             (empty: skip).
+        compile_draft: also run every EAGLE-3 strategy with compiled drafting steps, side by side (its warm-up
+            compiles).
 
     Returns:
         The report dict (as written to ``bench.json``): ``settings``, ``results`` (one entry per mode and strategy),
@@ -100,8 +103,8 @@ def run_bench(
     """
     from tqdm.auto import tqdm
 
-    strategies = build_strategies(ks, families, prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-                                  tree_shapes=tuple(tree_shapes))
+    strategies = build_strategies(ks, families, compile_draft=compile_draft,
+                                  prompt_lookup_num_tokens=prompt_lookup_num_tokens, tree_shapes=tuple(tree_shapes))
     modes = ["greedy"] + (["sampled"] if temperature and temperature > 0 else [])
     encoded = [encode_prompt(tokenizer, p).to(target.device) for p in prompts]
 
@@ -110,8 +113,9 @@ def run_bench(
         if strategy.uses_draft:
             kwargs["assistant_model"] = draft
         ids = encoded[0]
-        target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(8, max_new_tokens),
-                        do_sample=False, **kwargs)
+        with strategy.applied_to(draft):
+            target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(8, max_new_tokens),
+                            do_sample=False, **kwargs)
 
     costs = measure_target_seconds(target, encoded[0], tuple(cost_sizes)) if cost_sizes else {}
 
@@ -130,11 +134,13 @@ def run_bench(
                     draft.reset_stats()
                 if mode == "sampled":
                     torch.manual_seed(seed + i)
-                synchronize(target.device)
-                start = time.perf_counter()
-                out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs)
-                synchronize(target.device)
-                seconds = time.perf_counter() - start
+                with s.applied_to(draft):
+                    synchronize(target.device)
+                    start = time.perf_counter()
+                    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                          **kwargs)
+                    synchronize(target.device)
+                    seconds = time.perf_counter() - start
                 new = out[0, ids.shape[1]:].tolist()
                 total = totals[(mode, s.name)]
                 total["seconds"] += seconds
@@ -190,6 +196,7 @@ def run_bench(
         "strategies": [s.name for s in strategies],
         "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
         "tree_shapes": [list(t) for t in tree_shapes],
+        "compile_draft": compile_draft,
         **environment_record(target, draft_path=getattr(draft, "name_or_path", None)),
     }
     settings.update(meta or {})
@@ -213,7 +220,8 @@ def _batched_command(args, target, draft, tokenizer, prompts, batch_sizes, max_n
     """``hf-eagle3 bench --batch-sizes``: :func:`~hf_eagle3.bench.batched.run_batched_bench`, printed and written."""
     from hf_eagle3.bench.batched import format_batched_markdown, run_batched_bench, write_batched_outputs
     report = run_batched_bench(target, draft, tokenizer, prompts, batch_sizes=batch_sizes,
-                               max_new_tokens=max_new_tokens, ks=ks, families=families, tree_shapes=tree_shapes)
+                               max_new_tokens=max_new_tokens, ks=ks, families=families, tree_shapes=tree_shapes,
+                               compile_draft=getattr(args, "compile_draft", False))
     report["settings"] = environment_record(target, "hf-eagle3 " + " ".join(getattr(args, "argv", None) or ["bench"]),
                                             draft_path=getattr(draft, "name_or_path", None))
     print(f"{report['settings']['target_dtype']} on {report['settings']['device']}, CPU: "
@@ -272,7 +280,7 @@ def bench_command(args) -> int:
     report = run_bench(target, draft, tokenizer, prompts, max_new_tokens=max_new_tokens, ks=ks,
                        temperature=temperature, seed=args.seed, families=families,
                        prompt_lookup_num_tokens=args.prompt_lookup_tokens, tree_shapes=tree_shapes,
-                       out_dir=args.out_dir, meta=meta)
+                       out_dir=args.out_dir, meta=meta, compile_draft=getattr(args, "compile_draft", False))
     print(format_markdown(report))
     if is_random:
         print("NOTE: the draft is random (untrained); acceptance ~1 and EAGLE-3 slower than plain is expected.")

@@ -4,7 +4,8 @@ plain ``generate``, prompt lookup, EAGLE-3 chains over a sweep of k, ``"auto"`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 
@@ -18,6 +19,7 @@ class Strategy:
         k: draft length (tokens proposed per round), ``None`` when it does not apply.
         uses_draft: whether the EAGLE-3 draft is passed as ``assistant_model``.
         generate_kwargs: extra keyword arguments for ``target.generate``.
+        compiled_draft: whether the draft's steps run under ``torch.compile`` (see :meth:`applied_to`).
     """
 
     name: str
@@ -25,9 +27,34 @@ class Strategy:
     k: int | None = None
     uses_draft: bool = False
     generate_kwargs: dict = field(default_factory=dict)
+    compiled_draft: bool = False
+
+    @contextlib.contextmanager
+    def applied_to(self, draft):
+        """
+        Within the block, ``draft`` drafts as this strategy says: for a compiled strategy its generation config gets
+        ``compile_config = CompileConfig(mode="default")`` (the drafting steps under ``torch.compile``, no CUDA
+        graphs), restored after.
+
+        Args:
+            draft (`Eagle3DraftModel`): the draft.
+        """
+        if not self.compiled_draft:
+            yield draft
+            return
+        from transformers import CompileConfig
+
+        saved = draft.generation_config.compile_config
+        draft.generation_config.compile_config = CompileConfig(**COMPILE_OPTIONS)
+        try:
+            yield draft
+        finally:
+            draft.generation_config.compile_config = saved
 
 
 STRATEGIES: dict[str, Callable[..., list[Strategy]]] = {}
+# The CompileConfig of the compiled strategies: inductor, no CUDA graphs (the steps' KV length grows every step).
+COMPILE_OPTIONS = {"mode": "default"}
 
 
 def register_strategy(family: str):
@@ -154,12 +181,14 @@ def parse_tree_shapes(text: str) -> tuple:
     return tuple(shapes)
 
 
-def build_strategies(ks, families: list[str] | None = None, **options) -> list[Strategy]:
+def build_strategies(ks, families: list[str] | None = None, compile_draft: bool = False, **options) -> list[Strategy]:
     """Instantiate the strategies of the registered families (all of them by default); ``plain`` always comes first.
 
     Args:
         ks: draft lengths of the sweep.
         families: registry names to run; ``plain`` is added when missing (it is the reference).
+        compile_draft: also run every strategy that uses the draft with compiled drafting steps (named
+            ``"<name> compiled"``, right after its eager twin).
         options: passed to every factory.
     """
     families = list(families or STRATEGIES)
@@ -170,5 +199,8 @@ def build_strategies(ks, families: list[str] | None = None, **options) -> list[S
         families.remove("plain")
     strategies = []
     for family in ["plain"] + families:
-        strategies += STRATEGIES[family](list(ks), **options)
+        for strategy in STRATEGIES[family](list(ks), **options):
+            strategies.append(strategy)
+            if compile_draft and strategy.uses_draft:
+                strategies.append(replace(strategy, name=f"{strategy.name} compiled", compiled_draft=True))
     return strategies

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .draft_cache import Eagle3RowCache
+from .draft_steps import batch_tree_level
 from .logits_process import Eagle3D2TLogitsProcessor
 from .tree_drafter import DraftTree, Eagle3TreeDrafter, grow_candidates, select_trees
 
@@ -49,6 +50,7 @@ class Eagle3BatchTreeDrafter:
 
     def __init__(self, draft, rows: int, capacity: int):
         self.draft = draft
+        self.step = draft.step_call(batch_tree_level)  # eager, or compiled (the draft's generation config)
         self.device, self.dtype = draft.fc.weight.device, draft.fc.weight.dtype
         self.window = draft.config.draft_sliding_window
         self.cache = Eagle3RowCache(rows, capacity, self.window)
@@ -156,8 +158,8 @@ class Eagle3BatchTreeDrafter:
             eye = torch.eye(k, dtype=torch.bool, device=device).expand(rows, k, k)
             mask = torch.cat([seen.expand(rows, k, start), ancestors, eye], dim=-1)
             self.cache.place_shared(start + (level - 1) * k, mask[:, None])
-            return self.draft(input_ids=self.d2t.map_tokens(ids), hidden_states=hidden,
-                              position_ids=(self._fed - 1 + level)[:, None].expand(rows, k), cache=self.cache)
+            return self.step(self.draft, input_ids=self.d2t.map_tokens(ids), hidden_states=hidden.contiguous(),
+                             position_ids=(self._fed - 1 + level)[:, None].expand(rows, k), cache=self.cache)
 
         return grow_candidates(self._logits, self._hidden, depth, top_k, step)
 

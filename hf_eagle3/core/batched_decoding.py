@@ -219,6 +219,9 @@ class _BatchLoop:
         self.pads = check_batch(input_ids, self.attention_mask, generation_config, self.cache,
                                 self.shape["most"] + 1).tolist()  # a host tensor
         self.window = sliding_window(self.cache)
+        shape = self.shape  # the draft cache holds the longest row and one round's tree
+        capacity = generation_config.max_length + shape["depth"] * shape["top_k"] + shape["depth"] + 2
+        self.drafter = drafter_class(self.draft_model, input_ids.shape[0], capacity)  # before any timing forward
         self.run = _BatchRun(self.draft_model)
         call.generator = self.run
         if self.shape["auto"]:
@@ -239,9 +242,6 @@ class _BatchLoop:
         self.device, self.dtype = input_ids.device, model.dtype
         self.rows, self.finished = [], [None] * input_ids.shape[0]
         self.valid = self.positions = None
-        shape = self.shape  # the draft cache holds the longest row and one round's tree
-        capacity = self.max_length + shape["depth"] * shape["top_k"] + shape["depth"] + 2
-        self.drafter = drafter_class(self.draft_model, input_ids.shape[0], capacity)
 
     def _features(self) -> torch.Tensor:
         """The target features of its last forward, on the draft's device and in its dtype (the capture cleared)."""

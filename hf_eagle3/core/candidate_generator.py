@@ -14,6 +14,7 @@ from transformers.generation import CandidateGenerator
 from .cost_model import measure_costs
 from .draft_length_policy import Eagle3DraftLengthPolicy
 from .draft_state import Eagle3DraftState
+from .draft_steps import chain_step
 from .feature_capture import Eagle3OutputFeatures
 from .logits_process import Eagle3D2TLogitsProcessor
 from .settings import DEFAULT_DRAFT_LENGTH, SCHEDULES
@@ -82,6 +83,7 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         if num_assistant_tokens_schedule == "auto" and target is None:
             raise ValueError("num_assistant_tokens_schedule='auto' needs the target (to time its forwards).")
         self.draft = draft
+        self.step = draft.step_call(chain_step)  # eager, or compiled (the draft's generation config)
         self.capture = capture
         self.target = target
         self.device = draft.fc.weight.device
@@ -161,7 +163,8 @@ class Eagle3CandidateGenerator(CandidateGenerator):
                     break
             if step == k - 1:
                 break
-            out = self.draft(
+            out = self.step(
+                self.draft,
                 input_ids=token[:, None],
                 hidden_states=out.hidden_states[:, -1:],
                 position_ids=torch.full((1, 1), cur_len - 1 + step, device=self.device),

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .draft_steps import chain_step
+
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # target forward sizes (new tokens) timed by :func:`measure_costs`
 FEED_SIZES = (1, 4, 16)  # draft feed sizes timed by :func:`measure_costs`
 CONTEXT_TOKENS = 128  # cache length the forwards are timed on
@@ -176,7 +178,9 @@ def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOK
                           repeats: int = 3) -> tuple[dict, float]:
     """
     Time the draft's feed (a forward over ``m`` verified positions) and its one-token step, on random inputs, each with
-    the token choice that follows it in a round (argmax, vocabulary mapping, appending to the sequence).
+    the token choice that follows it in a round (argmax, vocabulary mapping, appending to the sequence). The step runs
+    as rounds run it: compiled when the draft's generation config has a ``compile_config``
+    (:meth:`~hf_eagle3.core.modeling_eagle3.Eagle3DraftModel.step_call`).
 
     Args:
         draft (`Eagle3DraftModel`): the draft, on its device and in its dtype.
@@ -220,10 +224,11 @@ def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOK
         feed[m] = _time(run, device, repeats)
     hidden = out.hidden_states[:, -1:]
     token = ids[:, :1]
+    forward = draft.step_call(chain_step)  # as rounds run it (compiled when the draft's generation config says so)
 
     def step():
         cache.crop(context)
-        pick(draft(input_ids=token, hidden_states=hidden, cache=cache, logits_to_keep=1))
+        pick(forward(draft, input_ids=token, hidden_states=hidden, cache=cache, logits_to_keep=1))
 
     return feed, _time(step, device, repeats)
 
@@ -274,7 +279,8 @@ def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = Fa
     """
     param = next(target.parameters())
     key = (str(param.device), str(param.dtype), input_ids.shape[0], str(draft.fc.weight.dtype),
-           tuple(draft.fc.weight.shape), tuple(draft.lm_head.weight.shape) if hasattr(draft, "lm_head") else None)
+           tuple(draft.fc.weight.shape), tuple(draft.lm_head.weight.shape) if hasattr(draft, "lm_head") else None,
+           repr(draft.step_call(chain_step) is not chain_step and draft.generation_config.compile_config))
     known = _COSTS.setdefault(target, {})
     if key not in known or refresh:
         target_seconds = target_costs(target, input_ids, refresh=refresh)

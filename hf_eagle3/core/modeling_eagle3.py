@@ -24,6 +24,28 @@ from .draft_layers import Eagle3DecoderLayer, Eagle3RMSNorm
 from .rope import rope_attention_scaling, rope_inv_freq
 from .settings import SAVED_DRAFT_SETTINGS
 
+# torch.compile modes that capture CUDA graphs (they need the same shapes at every call).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check_step_compile(config, device) -> None:
+    """
+    Raise ``ValueError`` when the drafting steps cannot run under ``config`` on ``device``: a mode that captures CUDA
+    graphs (``"reduce-overhead"``, ``"max-autotune"``) on a CUDA device, where the steps' growing KV length would
+    record a new graph every step.
+
+    Args:
+        config (`CompileConfig`): the draft's ``generation_config.compile_config``.
+        device (`torch.device`): the draft's device.
+    """
+    if torch.device(device).type == "cuda" and config.mode in CUDA_GRAPH_MODES:
+        raise ValueError(
+            f"The draft's compile_config has mode={config.mode!r}, which captures CUDA graphs, but the draft's "
+            "steps attend over a KV cache that grows every step (a new graph per step). Set "
+            "draft.generation_config.compile_config = CompileConfig(mode='default') (or "
+            "'max-autotune-no-cudagraphs'), or compile_config = None for eager drafting."
+        )
+
 
 @dataclass
 class Eagle3DraftOutput(ModelOutput):
@@ -100,6 +122,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.rope_attention_scaling = rope_attention_scaling(config)
         self._target_embedding = None
         self._target_head = None  # (weight rows of the draft vocabulary,) for a draft without lm_head
+        self._compiled_steps = {}  # (step function, compile options) -> compiled step (see step_call)
         self.last_stats = None
         self.last_batch_stats = None
         self.cumulative_stats = None
@@ -199,6 +222,38 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             )
         out = emb(input_ids.to(emb.weight.device))
         return out.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+
+    # ------------------------------------------------------------------------------------------------ compilation
+    def step_call(self, step):
+        """
+        ``step`` as the drafting rounds run it: ``step`` itself, or ``torch.compile(step)`` when
+        ``generation_config.compile_config`` is a `CompileConfig` (Transformers' own switch; ``disable_compile=True``
+        turns it off). A step is a chain's next token or a tree's next level, for one sequence or a batch; the feed of
+        the verified positions, whose length changes every round, stays eager.
+
+        Each drafter passes its own module-level ``step(draft, **kwargs)`` function, so each keeps its own compiled
+        graphs (dynamo's recompile limit counts per function). The steps attend over a KV cache that grows every step:
+        ``dynamic=None`` (the config's default) compiles them with dynamic shapes from the first call. The compiled
+        functions are kept on the draft, per config.
+
+        Args:
+            step (`Callable`): ``step(draft, **forward_kwargs) -> Eagle3DraftOutput``.
+
+        Raises:
+            ValueError: for a mode that captures CUDA graphs on a CUDA draft (see :func:`check_step_compile`).
+        """
+        config = getattr(self.generation_config, "compile_config", None)
+        if config is None or getattr(self.generation_config, "disable_compile", False):
+            return step
+        check_step_compile(config, self.fc.weight.device)
+        options = config.to_dict()
+        if options.get("dynamic") is None:
+            options["dynamic"] = True
+        key = (step, repr(sorted(options.items(), key=lambda item: item[0])))
+        compiled = self._compiled_steps.get(key)
+        if compiled is None:
+            compiled = self._compiled_steps[key] = torch.compile(step, **options)
+        return compiled
 
     # ----------------------------------------------------------------------------------------------------- compute
     def project_features(self, features: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .draft_state import Eagle3DraftState
+from .draft_steps import tree_level
 from .logits_process import Eagle3D2TLogitsProcessor
 
 
@@ -63,6 +64,7 @@ class Eagle3TreeDrafter:
 
     def __init__(self, draft):
         self.draft = draft
+        self.step = draft.step_call(tree_level)  # eager, or compiled (the draft's generation config)
         self.state = Eagle3DraftState(draft)  # the draft's cache, fed positions and pending verified positions
         self.device = self.state.device
         self.dtype = self.state.dtype
@@ -116,9 +118,9 @@ class Eagle3TreeDrafter:
             k = ids.shape[1]
             mask = torch.cat([torch.ones(k, real, dtype=torch.bool, device=self.device), ancestors[0],
                               torch.eye(k, dtype=torch.bool, device=self.device)], dim=-1)
-            return self.draft(input_ids=self.d2t.map_tokens(ids), hidden_states=hidden,
-                              position_ids=torch.full((1, k), real - 1 + level, device=self.device), cache=self.cache,
-                              attention_mask=mask)
+            return self.step(self.draft, input_ids=self.d2t.map_tokens(ids), hidden_states=hidden.contiguous(),
+                             position_ids=torch.full((1, k), real - 1 + level, device=self.device), cache=self.cache,
+                             attention_mask=mask)
 
         keep_going = None if should_expand is None else (lambda scores: should_expand(scores[0]))
         scores, ids, parents, depths, levels = grow_candidates(self._logits, self._hidden, depth, top_k, step,

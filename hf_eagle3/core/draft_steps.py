@@ -1,0 +1,40 @@
+"""The draft forwards a drafting round repeats, one function per kind: a chain's next token, a tree's next level for
+one sequence, a tree's next level for a batch.
+
+Each is ``step(draft, **forward_kwargs)`` and runs the draft; the drafters call them through
+:meth:`~hf_eagle3.core.modeling_eagle3.Eagle3DraftModel.step_call`, which compiles them when the draft's generation
+config has a ``compile_config``. They are separate functions so that each kind keeps its own compiled graphs (dynamo
+counts recompilations per function): the three differ in masks, batch sizes and the cache they write.
+"""
+
+from __future__ import annotations
+
+
+def chain_step(draft, **kwargs):
+    """One chain step: the next token's draft forward (one position per row, causal over the draft's cache).
+
+    Args:
+        draft (`Eagle3DraftModel`): the draft.
+        kwargs: :meth:`Eagle3DraftModel.forward`'s arguments.
+    """
+    return draft(**kwargs)
+
+
+def tree_level(draft, **kwargs):
+    """One tree level of one sequence: the frontier's ``top_k`` nodes in one forward, with their tree mask.
+
+    Args:
+        draft (`Eagle3DraftModel`): the draft.
+        kwargs: :meth:`Eagle3DraftModel.forward`'s arguments.
+    """
+    return draft(**kwargs)
+
+
+def batch_tree_level(draft, **kwargs):
+    """One tree level of a batch: every row's frontier in one forward over the row cache (which holds the mask).
+
+    Args:
+        draft (`Eagle3DraftModel`): the draft.
+        kwargs: :meth:`Eagle3DraftModel.forward`'s arguments.
+    """
+    return draft(**kwargs)

@@ -1,0 +1,205 @@
+"""Compiled drafting: with ``draft.generation_config.compile_config`` set, the drafting steps (a chain's next token, a
+tree's next level, for one sequence and for a batch) run under ``torch.compile`` and draft exactly what the eager
+steps draft.
+
+Each path is run twice on the same prompt, eager and compiled (``aot_eager``: dynamo's graph capture without a code
+generator, numerically the eager kernels), and what the drafter proposes every round is recorded outside the compiled
+region: the proposals must be identical, the output identical to the target alone, and compiled graphs must have run.
+A longer call after a shorter one compiles nothing new (the steps are compiled with dynamic shapes, not once per
+length). Sampled calls with the same seed give the same tokens (the acceptance rule reads the compiled draft's
+probabilities). Inductor (the default backend, which generates C++ on a CPU) runs under ``slow``. A mode that captures
+CUDA graphs is refused for a CUDA draft, with the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompt, tiny_draft, tiny_target
+from torch._dynamo.utils import counters
+from transformers import CompileConfig
+
+from hf_eagle3.core import batch_drafter, candidate_generator, draft_length_policy, tree_drafter, tree_policy
+from hf_eagle3.core.draft_steps import batch_tree_level, chain_step, tree_level
+from hf_eagle3.core.modeling_eagle3 import Eagle3DraftModel, check_step_compile
+
+CAPTURE = CompileConfig(backend="aot_eager", mode=None, fullgraph=True)  # fullgraph: a graph break fails the test
+EAGER_STEPS = (chain_step, tree_level, batch_tree_level)
+PATHS = {
+    "chain": dict(num_assistant_tokens=4, num_assistant_tokens_schedule="constant"),
+    "chain auto": dict(num_assistant_tokens=4, num_assistant_tokens_schedule="auto"),
+    "tree": dict(tree_top_k=3, tree_depth=4, tree_total_tokens=8),
+    "tree auto": dict(tree_top_k=3, tree_depth=4, tree_total_tokens="auto"),
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_target("llama")
+    target.generation_config.eos_token_id = None
+    return target, tiny_draft(target, 128)
+
+
+@pytest.fixture
+def proposals(monkeypatch):
+    """Record, per round, what the drafters propose (chain candidates, a tree's tokens and parents, every row's tree
+    in a batch), outside the compiled steps."""
+    seen = []
+
+    def record(owner, name, take):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            result = original(*args, **kwargs)
+            seen.append(take(result))
+            return result
+
+        monkeypatch.setattr(owner, name, wrapped)
+
+    record(candidate_generator.Eagle3CandidateGenerator, "get_candidates", lambda r: r[0].tolist())
+    record(tree_drafter.Eagle3TreeDrafter, "select", lambda t: (t.tokens.tolist(), t.parents.tolist()))
+    record(batch_drafter.Eagle3BatchTreeDrafter, "round_trees",
+           lambda trees: [(t.tokens.tolist(), t.parents.tolist()) for t in trees])
+    record(Eagle3DraftModel, "step_call", lambda step: ("step", step in EAGER_STEPS))
+    return seen
+
+
+@pytest.fixture
+def scripted_auto(monkeypatch):
+    """``"auto"`` decisions from a script instead of timings (which differ between an eager and a compiled run):
+    draft lengths 3, 0, 4, 1, ... and tree sizes 5, 8, 2, ..., a tree every round, every level expanded."""
+    def script(values):
+        def next_value(self, *args, **kwargs):  # counted per policy: each call starts the script again
+            self.scripted_calls = getattr(self, "scripted_calls", -1) + 1
+            value = values[self.scripted_calls % len(values)]
+            return min(value, args[0]) if args and isinstance(args[0], int) else value
+
+        return next_value
+
+    monkeypatch.setattr(draft_length_policy.Eagle3DraftLengthPolicy, "choose", script([3, 0, 4, 1, 2]))
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", script([5, 8, 2, 7]))
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: True)
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "should_expand", lambda self, scores: True)
+
+
+def run(target, draft, ids, config, proposals, **kwargs):
+    """One ``generate`` call with ``config`` as the draft's compile config; returns the output, the proposals and the
+    number of graphs compiled during the call, after checking that the drafting steps ran compiled (or eager)."""
+    draft.generation_config.compile_config = config
+    proposals.clear()
+    counters.clear()
+    try:
+        out = target.generate(ids, do_sample=False, assistant_model=draft, **kwargs)
+    finally:
+        draft.generation_config.compile_config = None
+    steps = [eager for kind, eager in (p for p in proposals if isinstance(p, tuple) and p[0] == "step")]
+    assert steps and all(eager == (config is None) for eager in steps)
+    drafts = [p for p in proposals if not (isinstance(p, tuple) and p[0] == "step")]
+    return out, drafts, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_compiled_steps_draft_what_eager_steps_draft(pair, proposals, scripted_auto, path):
+    target, draft = pair
+    ids = random_prompt(9, seed=3)
+    plain = target.generate(ids, do_sample=False, max_new_tokens=24)
+    eager, eager_drafts, eager_graphs = run(target, draft, ids, None, proposals, max_new_tokens=24, **PATHS[path])
+    compiled, compiled_drafts, _ = run(target, draft, ids, CAPTURE, proposals, max_new_tokens=24, **PATHS[path])
+    assert eager_graphs == 0
+    assert torch.equal(eager, plain) and torch.equal(compiled, plain)
+    assert len(eager_drafts) >= 5
+    assert compiled_drafts == eager_drafts
+    # A longer call reuses the graphs: nothing is compiled per length.
+    longer, _, more = run(target, draft, ids, CAPTURE, proposals, max_new_tokens=48, **PATHS[path])
+    assert torch.equal(longer, target.generate(ids, do_sample=False, max_new_tokens=48))
+    assert more == 0
+
+
+def test_compiled_steps_run(pair):
+    """The compiled path is taken: with dynamo's caches emptied, the call compiles the chain step's graphs."""
+    target, draft = pair
+    torch.compiler.reset()
+    draft.generation_config.compile_config = CAPTURE
+    counters.clear()
+    try:
+        out = target.generate(random_prompt(7, seed=4), do_sample=False, max_new_tokens=12, assistant_model=draft,
+                              num_assistant_tokens=3)
+    finally:
+        draft.generation_config.compile_config = None
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert torch.equal(out, target.generate(random_prompt(7, seed=4), do_sample=False, max_new_tokens=12))
+
+
+@pytest.mark.parametrize("path", ["chain", "tree"])
+def test_batched_compiled_steps_draft_what_eager_steps_draft(pair, proposals, path):
+    target, draft = pair
+    ids = torch.randint(4, 256, (3, 10), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # ragged rows (left padding)
+    mask[2, :6] = 0
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    eager, eager_drafts, _ = run(target, draft, ids, None, proposals, attention_mask=mask, max_new_tokens=20,
+                                 **PATHS[path])
+    compiled, compiled_drafts, _ = run(target, draft, ids, CAPTURE, proposals, attention_mask=mask,
+                                       max_new_tokens=20, **PATHS[path])
+    assert torch.equal(eager, plain) and torch.equal(compiled, plain)
+    assert len(eager_drafts) >= 5
+    assert compiled_drafts == eager_drafts
+
+
+@pytest.mark.parametrize("path", ["chain", "tree"])
+def test_sampled_compiled_drafting_gives_the_eager_tokens(pair, path):
+    """Same seed, same tokens: the acceptance rule reads the compiled draft's probabilities, equal to the eager ones."""
+    target, draft = pair
+    ids = random_prompt(8, seed=6)
+    outs = []
+    for config in (None, CAPTURE):
+        draft.generation_config.compile_config = config
+        torch.manual_seed(11)
+        try:
+            outs.append(target.generate(ids, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=24,
+                                        assistant_model=draft, **PATHS[path]))
+        finally:
+            draft.generation_config.compile_config = None
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_disable_compile_and_no_config_run_eager(pair):
+    _, draft = pair
+    assert draft.step_call(chain_step) is chain_step
+    draft.generation_config.compile_config = CAPTURE
+    draft.generation_config.disable_compile = True
+    try:
+        assert draft.step_call(chain_step) is chain_step
+        draft.generation_config.disable_compile = False
+        compiled = draft.step_call(chain_step)
+        assert compiled is not chain_step and draft.step_call(chain_step) is compiled  # kept per config
+    finally:
+        draft.generation_config.compile_config = None
+        draft.generation_config.disable_compile = None
+
+
+def test_cuda_graph_modes_are_refused_on_cuda_with_the_fix():
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(ValueError, match="mode='default'"):
+            check_step_compile(CompileConfig(mode=mode), torch.device("cuda"))
+        check_step_compile(CompileConfig(mode=mode), torch.device("cpu"))  # no CUDA graphs on a CPU
+    check_step_compile(CompileConfig(mode="default"), torch.device("cuda"))
+    check_step_compile(CompileConfig(mode="max-autotune-no-cudagraphs"), torch.device("cuda"))
+
+
+@pytest.mark.slow
+def test_inductor_compiled_drafting_is_lossless(pair, proposals):
+    """The default backend (C++ code generated for the CPU): output identical to the target alone, and the drafts
+    agree with the eager ones (inductor may round differently, so near-ties may rarely flip)."""
+    target, draft = pair
+    ids = random_prompt(9, seed=7)
+    plain = target.generate(ids, do_sample=False, max_new_tokens=24)
+    for path in ("chain", "tree"):
+        _, eager_drafts, _ = run(target, draft, ids, None, proposals, max_new_tokens=24, **PATHS[path])
+        out, drafts, graphs = run(target, draft, ids, CompileConfig(mode="default"), proposals, max_new_tokens=24,
+                                  **PATHS[path])
+        assert torch.equal(out, plain)
+        assert graphs >= 1
+        agree = sum(a == b for a, b in zip(drafts, eager_drafts)) / len(eager_drafts)
+        assert len(drafts) == len(eager_drafts) and agree >= 0.9
