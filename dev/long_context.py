@@ -3,7 +3,9 @@
 For each prompt length (a document built from the training prompts, then a question about it, in SmolLM2's chat
 template), times ``generate`` with the shipped draft at two ``max_new_tokens`` and reports the marginal time per round
 (the difference of the two calls over the difference of their target forwards), so that the prefill and the prompt's
-feed cancel; plain ``generate`` the same way, per token. Then, in a fresh process per length, the peak resident
+feed cancel; plain ``generate`` the same way, per token. The tree rounds run twice: on the preallocated target cache
+the loop uses, and with its full-attention layers left as Transformers' ``DynamicLayer`` (which concatenates, copying
+the whole cache every forward), for comparison. Then, in a fresh process per length, the peak resident
 memory (sampled every half millisecond) that the draft's feed of the prompt's positions adds (random features; the
 draft alone), with the causal mask left to the attention kernel and, for comparison, with a dense [L, L] mask built.
 EOS is switched off so that every call runs its tokens.
@@ -97,8 +99,12 @@ def main() -> None:
     draft, _, _ = load_draft(None, target)
     target.generation_config.eos_token_id = None  # every call runs its tokens
     short, long = (int(x) for x in args.new_tokens.split(","))
+    from hf_eagle3.core import target_cache
+
+    tree = dict(tree_top_k=4, tree_depth=4, tree_total_tokens=8)
     strategies = {"plain": {}, "chain k=3": dict(num_assistant_tokens=3, num_assistant_tokens_schedule="constant"),
-                  "tree 4x4x8": dict(tree_top_k=4, tree_depth=4, tree_total_tokens=8)}
+                  "tree 4x4x8": tree, "tree 4x4x8 on DynamicLayer": tree}
+    preallocate = target_cache.preallocate
     report = {"cpu": cpu_description(), "torch_threads": torch.get_num_threads(), "new_tokens": [short, long],
               "rows": []}
     for length in (int(x) for x in args.lengths.split(",")):
@@ -106,9 +112,11 @@ def main() -> None:
         row = {"prompt_tokens": ids.shape[1]}
         for name, settings in strategies.items():
             kwargs = dict(settings, assistant_model=draft) if settings else {}
+            target_cache.preallocate = (lambda cache, capacity: None) if "DynamicLayer" in name else preallocate
             timed(target, ids, max_new_tokens=4, **kwargs)  # warm-up
             s1, r1 = timed(target, ids, max_new_tokens=short, **kwargs)
             s2, r2 = timed(target, ids, max_new_tokens=long, **kwargs)
+            target_cache.preallocate = preallocate
             row[name] = {"seconds_per_round": (s2 - s1) / max(r2 - r1, 1), "rounds": [r1, r2]}
             if settings:
                 row[name]["acceptance_length"] = draft.last_stats.mean_acceptance_length

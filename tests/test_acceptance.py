@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
+from hf_eagle3.core import acceptance
 from hf_eagle3.core.acceptance import (
     children_lists,
     clip_new_tokens,
@@ -166,3 +167,22 @@ def test_batch_tree_mask():
     assert allowed[1].tolist() == [[True, False, True, True, False, False],  # the root
                                    [True, False, True, False, True, False],  # padding nodes see themselves only
                                    [True, False, True, False, False, True]]
+
+
+def test_read_back_returns_the_planes_and_the_probabilities_in_one_transfer(monkeypatch):
+    planes = torch.arange(24).view(2, 3, 4)
+    probs = torch.tensor([0.9, 0.5, 0.123456789, 0.0], dtype=torch.float64)
+    transfers = []
+    original = torch.Tensor.tolist
+
+    def counted(self):
+        transfers.append(self.shape)
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    host, back = acceptance.read_back(planes, probs)
+    assert len(transfers) == 1
+    assert host == original(planes)
+    assert back == pytest.approx(original(probs), abs=1 / acceptance.PROBABILITY_SCALE)
+    one_row, none = acceptance.read_back(planes[0])
+    assert one_row == original(planes[0]) and none is None

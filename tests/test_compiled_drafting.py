@@ -79,7 +79,6 @@ def scripted_auto(monkeypatch):
     monkeypatch.setattr(draft_length_policy.Eagle3DraftLengthPolicy, "choose", script([3, 0, 4, 1, 2]))
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", script([5, 8, 2, 7]))
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: True)
-    monkeypatch.setattr(tree_policy.TreeSizeChooser, "should_expand", lambda self, scores: True)
 
 
 def run(target, draft, ids, config, proposals, **kwargs):

@@ -28,7 +28,8 @@ CEILINGS = {
     for path in ("chain k=5", "tree 4x4x8") for size in (1, 2, 4, 8) for sample in (False, True)
 }
 CEILINGS.update({("chain auto", 2, False): 1.0, ("chain auto", 2, True): 1.0, ("tree auto", 2, True): 1.0})
-CEILINGS.update({("tree auto", size, False): 1.0 for size in (2, 4, 8)})
+CEILINGS.update({("tree auto", size, False): 1.0 for size in (1, 2, 4, 8)})
+CEILINGS.update({("tree auto", 1, True): 1.0})
 
 
 @pytest.fixture(scope="module")

@@ -269,18 +269,6 @@ def test_auto_tree_rounds_without_a_tree_stay_lossless(arch, monkeypatch):
     torch.testing.assert_close(features, target_features(target, out, layer_ids)[:, :n], atol=1e-4, rtol=1e-4)
 
 
-def test_size_chooser_stops_expanding_when_a_level_cannot_pay():
-    chooser = tree_policy.TreeSizeChooser({1: 0.04, 64: 0.08})
-    assert chooser.should_expand(torch.log(torch.tensor([0.001])))  # nothing measured yet: expand
-    # 10 rounds of 0.05 s each (0.01 s drafting with 2 forwards), 1 accepted token per round: 40 tokens/s.
-    for _ in range(10):
-        chooser.update(predicted=1.0, accepted=1, draft_seconds=0.01, draft_forwards=2, round_seconds=0.05)
-    # One level costs 5 ms, i.e. 0.2 tokens at 40 tokens/s: expand only if the frontier holds more than that.
-    assert chooser.should_expand(torch.log(torch.tensor([0.3, 0.1])))
-    assert not chooser.should_expand(torch.log(torch.tensor([0.1, 0.05])))
-    assert not chooser.should_expand(torch.tensor([-float("inf"), -float("inf")]))
-
-
 class Recorder:
     def __init__(self):
         self.chunks, self.ended = [], 0
@@ -435,20 +423,29 @@ def test_smollm2_greedy_identity(smollm2):
         assert oracle_draft.last_stats.mean_acceptance_length > 2.5
 
 
-def test_auto_cuts_levels_that_cannot_pay_and_stays_lossless(monkeypatch):
-    """A random draft's deep levels are hopeless: "auto" stops expanding them, and the output is unchanged."""
+def test_auto_sizes_each_round_from_the_previous_rounds_candidates(monkeypatch):
+    """"auto" reads nothing back mid-round: the first tree has AUTO_FIRST nodes, each later one the size the chooser
+    picked from the previous round's candidates (read back with that round's planes); a random draft's hopeless
+    candidates shrink the trees, and the output is unchanged."""
     target = target_of("llama")
     ids = prompt(9, seed=11)
     ref = greedy(target, ids, max_new_tokens=24)
-    levels = []
-    expand = tree_drafter.Eagle3TreeDrafter.expand
+    sizes, chosen = [], []
+    select, choose = tree_drafter.Eagle3TreeDrafter.select, tree_policy.TreeSizeChooser.choose
 
-    def recording(self, depth, top_k, should_expand=None):
-        out = expand(self, depth, top_k, should_expand)
-        levels.append(out[4])
-        return out
+    def recording_select(self, candidates, root_token, total_tokens):
+        sizes.append(total_tokens)
+        return select(self, candidates, root_token, total_tokens)
 
-    monkeypatch.setattr(tree_drafter.Eagle3TreeDrafter, "expand", recording)
+    def recording_choose(self, path_probs):
+        assert isinstance(path_probs, list) and path_probs == sorted(path_probs, reverse=True)
+        chosen.append(choose(self, path_probs))
+        return chosen[-1]
+
+    monkeypatch.setattr(tree_drafter.Eagle3TreeDrafter, "select", recording_select)
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", recording_choose)
     out = greedy(target, ids, max_new_tokens=24, assistant_model=tiny_draft(target, seed=12), **tree(3, 5, "auto"))
     assert torch.equal(out, ref)
-    assert levels[0] == 5 and min(levels) < 5  # the first round expands fully (nothing measured), later ones stop
+    assert sizes[0] == min(tree_policy.AUTO_FIRST, tree_policy.auto_most_nodes(5, 3))
+    assert len(sizes) >= 5 and sizes[1:] == chosen[: len(sizes) - 1]
+    assert min(sizes[1:]) < sizes[0]

@@ -140,9 +140,9 @@ class OracleTreeDrafter(Eagle3TreeDrafter):
         """Feed as usual (timed)."""
         return self._timed(super().feed, features, tokens)
 
-    def expand(self, depth, top_k, should_expand=None):
+    def expand(self, depth, top_k):
         """Expand as usual (timed)."""
-        return self._timed(super().expand, depth, top_k, should_expand)
+        return self._timed(super().expand, depth, top_k)
 
     def select(self, candidates, root_token, total_tokens):
         """Select as usual, then write the oracle's tokens into the tree (timed)."""

@@ -13,7 +13,8 @@ The Transformers integration
     ``auto_entry`` (the bundle's ``AutoModel`` entry), ``settings`` (the drafting settings), ``feature_capture``,
     ``stats``.
 Drafting
-    ``draft_state``, ``candidate_generator`` (chains in Transformers' loop), ``tree_drafter``, ``batch_drafter``
+    ``draft_state``, ``draft_steps`` (the forwards a round repeats, compiled on request), ``candidate_generator``
+    (chains in Transformers' loop), ``tree_drafter``, ``batch_drafter``
     (every row of a batch at once), ``logits_process`` (draft vocabulary to target vocabulary).
 Verifying
     ``acceptance``, ``target_cache``, ``stopping`` (stop checks on the host).

@@ -215,6 +215,34 @@ def round_planes(tree, logits: torch.Tensor, do_sample: bool, processors) -> tup
     return torch.stack(planes), processed
 
 
+PROBABILITY_SCALE = 1 << 24  # path probabilities travel to the host as integers, in one transfer with the planes
+
+
+def read_back(planes: torch.Tensor, path_probs: torch.Tensor | None = None) -> tuple[list, list | None]:
+    """
+    The round's one read-back: ``planes`` (from :func:`round_planes`, one row ``[P, n]`` or stacked rows
+    ``[B, P, N]``) as nested host lists and, in the same transfer, the candidates' path probabilities that size the
+    next round's tree (``tree_total_tokens="auto"``).
+
+    Args:
+        planes (`torch.LongTensor`): the planes.
+        path_probs (`torch.Tensor` [M], *optional*): probabilities in ``[0, 1]``, sorted in decreasing order.
+
+    Returns:
+        ``(planes as nested lists, path_probs as a list of floats or None)``; the probabilities come back rounded to
+        ``1 / PROBABILITY_SCALE``.
+    """
+    if path_probs is None:
+        return planes.tolist(), None
+    scaled = (path_probs.double() * PROBABILITY_SCALE).round().long().to(planes.device)
+    values = torch.cat([planes.flatten().long(), scaled]).tolist()
+    count = planes.numel()
+    nested = values[:count]
+    for size in reversed(planes.shape[1:]):
+        nested = [nested[i : i + size] for i in range(0, len(nested), size)]
+    return nested, [v / PROBABILITY_SCALE for v in values[count:]]
+
+
 def walk_planes(host: list, logits: torch.Tensor, do_sample: bool, processed=None, process=None) -> TreeWalk:
     """:func:`walk_tree` on one row's planes from :func:`round_planes`, read back as lists (``host[0]`` tokens,
     ``host[1]`` parents, then the argmax or the sampling decisions when present).

@@ -12,7 +12,7 @@ import torch
 from .draft_cache import Eagle3RowCache
 from .draft_steps import batch_tree_level
 from .logits_process import Eagle3D2TLogitsProcessor
-from .tree_drafter import DraftTree, Eagle3TreeDrafter, grow_candidates, select_trees
+from .tree_drafter import DraftTree, grow_candidates, select_trees
 
 
 def take_positions(values: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
@@ -196,23 +196,6 @@ class Eagle3BatchTreeDrafter:
         self.feed()
         self.last_candidates = self.expand(depth, top_k)
         return self.select(self.last_candidates, roots, total)
-
-    @staticmethod
-    def path_probabilities(candidates) -> torch.Tensor:
-        """
-        The candidates' path probabilities (the draft's estimate of each one's chance to be accepted), sorted in
-        decreasing order in each row, then averaged over the rows: what a tree of ``N`` nodes is expected to accept
-        per row is the sum of the first ``N``.
-
-        Args:
-            candidates: what :meth:`expand` returned.
-
-        Returns:
-            `torch.DoubleTensor` [M].
-        """
-        scores, _, _, depths, _ = candidates
-        key = Eagle3TreeDrafter.ranking_key(scores, depths)
-        return key.exp().sort(dim=-1, descending=True).values.mean(0)
 
     def keep_rows(self, keep: list) -> None:
         """

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .acceptance import clip_new_tokens, round_planes, walk_planes
+from .acceptance import clip_new_tokens, read_back, round_planes, walk_planes
 from .batch_drafter import Eagle3BatchTreeDrafter, take_positions
 from .cost_model import measure_costs, target_costs
 from .draft_length_policy import Eagle3DraftLengthPolicy
@@ -30,11 +30,10 @@ from .stats import Eagle3Stats
 from .stopping import HostStopping
 from .target_cache import batch_tree_mask, compact, decoding_cache, gather_entries, keep_rows, prefill, sliding_window
 from .transformers_compat import eos_token_ids
-from .tree_policy import AUTO_MAX_NODES, AUTO_SIZES, TreeSizeChooser
+from .tree_drafter import Eagle3TreeDrafter
+from .tree_policy import AUTO_FIRST, AUTO_SIZES, TreeSizeChooser, auto_most_nodes
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
-TREE_AUTO_FIRST = 16  # nodes per row of a batched tree_total_tokens="auto" call's first round (nothing measured yet)
-PROBABILITY_SCALE = 1 << 24  # path probabilities travel to the host as integers in one transfer with the planes
 
 
 @dataclass(eq=False)
@@ -60,8 +59,8 @@ def _round_shape(call, draft) -> dict:
     if call.tree is not None:
         depth, top_k, total = call.tree["depth"], call.tree["top_k"], call.tree["total_tokens"]
         if total == "auto":
-            most = min(AUTO_MAX_NODES, top_k + (depth - 1) * top_k * top_k)  # the candidates a round can have
-            return {"depth": depth, "top_k": top_k, "total": min(TREE_AUTO_FIRST, most), "auto": False,
+            most = auto_most_nodes(depth, top_k)
+            return {"depth": depth, "top_k": top_k, "total": min(AUTO_FIRST, most), "auto": False,
                     "tree_auto": True, "most": most}
         return {"depth": min(depth, total), "top_k": min(top_k, total), "total": total, "auto": False,
                 "tree_auto": False, "most": total}
@@ -253,7 +252,7 @@ class _BatchLoop:
     def prefill(self) -> None:
         """The padded prompts in one forward: each row's first token, and its prompt's features for its draft."""
         input_ids, processors = self.input_ids, self.processors
-        last = prefill(self.model, input_ids, self.model_kwargs, self.cache)
+        last = prefill(self.model, input_ids, self.model_kwargs, self.cache, self.max_length + self.shape["most"] + 1)
         scores = processors(input_ids, last) if processors is not None else last
         first = torch.multinomial(scores.softmax(-1), 1)[:, 0] if self.do_sample else scores.argmax(-1)
         features = self._features()
@@ -294,7 +293,7 @@ class _BatchLoop:
         roots = torch.tensor([row.ids[-1] for row in self.rows], dtype=torch.long, device=drafter.device)
         trees = drafter.round_trees(depth, shape["top_k"], shape["total"], roots)
         if chooser is not None and depth >= 1:
-            self.path_probs = drafter.path_probabilities(drafter.last_candidates)
+            self.path_probs = Eagle3TreeDrafter.path_probabilities(drafter.last_candidates)
         return trees, shape["depth"] if depth >= 1 else 0, feed
 
     def verify(self, trees: list) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -335,7 +334,9 @@ class _BatchLoop:
             row_planes, row_processed = round_planes(tree, logits[b, :n], self.do_sample, self.processors)
             planes.append(torch.stack([_padded(plane, nodes) for plane in row_planes]))
             processed.append(row_processed)
-        host = self._read_back(torch.stack(planes))
+        host, probs = read_back(torch.stack(planes), self.path_probs)
+        if probs is not None:
+            self.path_probs = probs
         kept, depths, following = [], [], []
         for b, (row, n) in enumerate(zip(self.rows, sizes)):
             mine = [plane[:n] for plane in host[b]]
@@ -358,18 +359,6 @@ class _BatchLoop:
         tokens = torch.tensor([t + [0] * (width - len(t)) for t in following], device=features.device)
         self.drafter.add(take_positions(features, index), tokens, [len(p) for p in kept])
         return kept, depths
-
-    def _read_back(self, planes: torch.Tensor) -> list:
-        """``planes`` [B, P, N] as nested host lists, in one transfer with the round's path probabilities (kept as
-        :attr:`path_probs`, a host list) when ``"auto"`` sizes the trees."""
-        if self.path_probs is None:
-            return planes.tolist()
-        scaled = (self.path_probs.double() * PROBABILITY_SCALE).round().long().to(planes.device)
-        values = torch.cat([planes.flatten(), scaled]).tolist()
-        rows, count, width = planes.shape
-        self.path_probs = [v / PROBABILITY_SCALE for v in values[rows * count * width :]]
-        return [[values[(b * count + p) * width : (b * count + p + 1) * width] for p in range(count)]
-                for b in range(rows)]
 
     def commit(self, kept: list, start: int) -> None:
         """The target cache keeps each row's accepted path; a shorter path than the longest leaves holes."""

@@ -36,6 +36,40 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Stopwatch:
+    r"""
+    Marks on a device's timeline and the seconds between them, without blocking the host: CUDA events on a CUDA
+    device (read once the round's read-back has passed them, so reading adds no synchronisation), the host clock
+    elsewhere (a CPU runs the work as the host issues it).
+
+    Args:
+        device (`torch.device` or `str`): the device whose work is timed.
+    """
+
+    def __init__(self, device):
+        self.events = torch.device(device).type == "cuda"
+
+    def mark(self):
+        """A mark at this point of the device's work (a recorded CUDA event, or the host clock)."""
+        if self.events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        """
+        Seconds from ``start`` to ``end``, two marks the device has passed (on CUDA: both recorded before a read-back
+        that has returned).
+
+        Args:
+            start, end: marks from :meth:`mark`.
+        """
+        if self.events:
+            return start.elapsed_time(end) / 1000.0
+        return end - start
+
+
 def interpolate(table: dict, n: float) -> float:
     """
     Linear interpolation in ``table`` (``{size: seconds}``), linear extrapolation beyond its largest size.

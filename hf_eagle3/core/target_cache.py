@@ -1,5 +1,6 @@
-"""The target's KV cache during tree decoding: which caches a tree round can roll back, the gather that keeps only the
-accepted path, and the 4D attention masks of a tree forward (each node sees the cached prefix and its ancestors).
+"""The target's KV cache during tree decoding: which caches a tree round can roll back, the buffers preallocated for
+the call (:class:`PreallocatedLayer`), the gather that keeps only the accepted path, and the 4D attention masks of a
+tree forward (each node sees the cached prefix and its ancestors).
 """
 
 from __future__ import annotations
@@ -7,8 +8,89 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from .transformers_compat import is_plain_dynamic_layer
+from .transformers_compat import DynamicLayer, is_plain_dynamic_layer
 from .transformers_compat import is_sliding_layer as sliding_layer
+
+GROWTH = 1.5  # a preallocated layer that must hold more grows its buffers by this factor (at least)
+
+
+class PreallocatedLayer(DynamicLayer):
+    r"""
+    A full-attention layer of the target's cache whose keys and values live in buffers preallocated for the whole
+    call: ``keys`` / ``values`` are views of the buffers' first ``length`` columns, so a forward writes only its new
+    entries (a ``DynamicLayer`` concatenates, copying the whole cache every forward), and the in-place gathers of
+    :func:`gather_cache` / :func:`gather_entries` and ``crop`` keep working on the views.
+
+    Anything that replaces the views by other tensors (a row selection) is adopted into fresh buffers at the next
+    ``update``; a forward past the capacity grows the buffers (by :data:`GROWTH` at least).
+
+    Args:
+        keys (`torch.Tensor` [B, kv_heads, L, D]): the layer's keys after the prefill.
+        values (`torch.Tensor` [B, kv_heads, L, D]): its values.
+        capacity (`int`): columns to preallocate (at least ``L``).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+        super().__init__()
+        self.device = keys.device
+        self.is_initialized = True
+        self._adopt(keys, values, max(capacity, keys.shape[-2]))
+
+    def _adopt(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        length = keys.shape[-2]
+        self._key_buffer = keys.new_empty(*keys.shape[:2], capacity, keys.shape[-1])
+        self._value_buffer = values.new_empty(*values.shape[:2], capacity, values.shape[-1])
+        self._key_buffer[:, :, :length] = keys
+        self._value_buffer[:, :, :length] = values
+        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+
+    def _owns_views(self) -> bool:
+        """Whether ``keys`` / ``values`` are still the leading columns of the buffers."""
+        return all(view is not None and view.dim() == 4 and view.data_ptr() == buffer.data_ptr()
+                   and view.shape[:2] == buffer.shape[:2] and view.stride() == buffer.stride()
+                   for view, buffer in ((self.keys, self._key_buffer), (self.values, self._value_buffer)))
+
+    @property
+    def capacity(self) -> int:
+        """Columns the buffers hold."""
+        return self._key_buffer.shape[-2]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """
+        Write the new entries after the cached ones and return every cached entry (views of the buffers).
+
+        Args:
+            key_states (`torch.Tensor` [B, kv_heads, n, D]): the new keys.
+            value_states (`torch.Tensor` [B, kv_heads, n, D]): their values.
+        """
+        if self.keys is None or self.keys.dim() != 4:  # reset: start again from nothing, same capacity
+            empty = key_states[:, :, :0]
+            self._adopt(empty, value_states[:, :, :0], self.capacity)
+            self.is_initialized = True
+        elif not self._owns_views():
+            self._adopt(self.keys, self.values, self.capacity)
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        if end > self.capacity:
+            self._adopt(self.keys, self.values, max(end, int(self.capacity * GROWTH)))
+        self._key_buffer[:, :, start:end] = key_states
+        self._value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+
+def preallocate(cache, capacity: int) -> None:
+    """
+    Move every full-attention layer of ``cache`` (after the prefill) into a :class:`PreallocatedLayer` of
+    ``capacity`` columns; sliding-window layers keep their own bounded storage.
+
+    Args:
+        cache (`DynamicCache`): the target's cache, its layers filled by the prefill.
+        capacity (`int`): columns per layer (the call's ``max_length`` plus one round's nodes, or more).
+    """
+    for i, layer in enumerate(cache.layers):
+        if is_plain_dynamic_layer(layer) and layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
+            cache.layers[i] = PreallocatedLayer(layer.keys, layer.values, capacity)
 
 
 def sliding_window(cache) -> float:
@@ -35,7 +117,7 @@ def check_tree_cache(cache) -> None:
             "(no cache_implementation), or drop the tree_* settings to use chain drafting."
         )
     for i, layer in enumerate(cache.layers):
-        if not is_plain_dynamic_layer(layer) and not sliding_layer(layer):
+        if not is_plain_dynamic_layer(layer) and not sliding_layer(layer) and not isinstance(layer, PreallocatedLayer):
             raise ValueError(
                 f"EAGLE-3 tree decoding cannot gather cache layer {i} of type {type(layer).__name__} (supported: "
                 "DynamicLayer, DynamicSlidingWindowLayer). Drop the tree_* settings to use chain drafting."
@@ -77,22 +159,25 @@ def decoding_cache(model_kwargs: dict, generation_config, loop: str) -> tuple[st
     return key, cache
 
 
-def prefill(model, input_ids: torch.LongTensor, model_kwargs: dict, cache) -> torch.Tensor:
+def prefill(model, input_ids: torch.LongTensor, model_kwargs: dict, cache, capacity: int) -> torch.Tensor:
     """
-    The target's first forward, over the prompt(s), which fills ``cache``; returns the float32 logits at the last
-    position ``[B, V]`` (on ``input_ids``' device).
+    The target's first forward, over the prompt(s), which fills ``cache``, whose full-attention layers then move into
+    buffers of ``capacity`` columns (:func:`preallocate`); returns the float32 logits at the last position ``[B, V]``
+    (on ``input_ids``' device).
 
     Args:
         model (`PreTrainedModel`): the target.
         input_ids (`torch.LongTensor` [B, L]): the prompt(s).
         model_kwargs (`dict`): the prepared model kwargs (cache, attention mask, ...).
         cache (`DynamicCache`): the cache among them, checked again once its layers exist.
+        capacity (`int`): columns to preallocate per layer.
     """
     model_inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
     if "logits_to_keep" in model_inputs:
         model_inputs["logits_to_keep"] = 1
     logits = model(**model_inputs).logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
     check_tree_cache(cache)  # layers are created lazily by the first forward
+    preallocate(cache, capacity)
     return logits
 
 

@@ -20,7 +20,6 @@ import warnings
 from dataclasses import dataclass
 
 import transformers
-from transformers.cache_utils import DynamicLayer
 from transformers.generation import utils as _generation_utils
 
 # The releases the test suite passes on: the floor (inclusive) and the bound (exclusive), as in pyproject.toml.
@@ -62,6 +61,9 @@ PRIVATE_NAMES = (
                 "assistant is an EAGLE-3 draft (Transformers chooses among its own generators by name)", "5.20-5.25"),
     PrivateName("GenerationMixin._assisted_decoding", "wrapped: runs the package's loop for trees and for batches of "
                 "more than one row (Transformers' loop takes one row and chains)", "5.20-5.25"),
+    PrivateName("transformers.cache_utils.DynamicLayer", "subclassed by the tree and batch loops' preallocated target "
+                "cache (`PreallocatedLayer`), which relies on its `keys` / `values` / `is_initialized` attributes "
+                "(the class is exported, those attributes are internals)", "5.20-5.25"),
     PrivateName("transformers.cache_utils.DynamicSlidingWindowLayer", "tree and batch verification gather the "
                 "accepted entries of sliding-window layers and shrink them back to the window", "5.20-5.25"),
     PrivateName("transformers.cache_utils.LinearAttentionCacheLayerMixin", "recognise recurrent / linear-attention "
@@ -81,6 +83,7 @@ def _import_private(dotted: str):
 
 # The private module-level names of PRIVATE_NAMES, imported once (None where the release lacks one).
 _IMPORTED = {entry.name: _import_private(entry.name) for entry in PRIVATE_NAMES if entry.name.startswith("transformers.")}
+DynamicLayer = _IMPORTED["transformers.cache_utils.DynamicLayer"]
 DynamicSlidingWindowLayer = _IMPORTED["transformers.cache_utils.DynamicSlidingWindowLayer"]
 LinearAttentionCacheLayerMixin = _IMPORTED["transformers.cache_utils.LinearAttentionCacheLayerMixin"]
 ROPE_INIT_FUNCTIONS = _IMPORTED["transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS"]

@@ -15,19 +15,18 @@ cache, hand its features to the draft, extend the outputs).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from .acceptance import TreeWalk, clip_new_tokens, round_planes, walk_planes
-from .cost_model import synchronize, target_costs
+from .acceptance import TreeWalk, clip_new_tokens, read_back, round_planes, walk_planes
+from .cost_model import Stopwatch, target_costs
 from .stats import Eagle3Stats
 from .stopping import HostStopping
 from .target_cache import decoding_cache, gather_cache, prefill, tree_attention_mask
 from .transformers_compat import eos_token_ids
 from .tree_drafter import DraftTree, Eagle3TreeDrafter
-from .tree_policy import AUTO_SIZES, TreeSizeChooser
+from .tree_policy import AUTO_FIRST, AUTO_MAX_NODES, AUTO_SIZES, TreeSizeChooser, auto_most_nodes
 
 
 class _TreeRun:
@@ -45,17 +44,19 @@ class _TreeRun:
 
 @dataclass
 class _Round:
-    """What a round's drafting step decided and measured (the timings only matter for ``"auto"``)."""
+    """What a round's drafting step decided, and (for ``"auto"``) its marks on the device's timeline
+    (:class:`~hf_eagle3.core.cost_model.Stopwatch`), read after the round's read-back."""
 
     tree: DraftTree
     drafting: bool  # a tree was drafted (else the root alone: a plain target step)
     depth: int  # the depth allowed this round (0: ``max_length`` leaves no room for a draft)
-    started: float  # wall clock at the start of the round
-    draft_seconds: float = 0.0
-    feed_seconds: float = 0.0
+    started: object = None  # mark at the start of drafting
+    fed_at: object = None  # mark after the draft's feed
+    drafted_at: object = None  # mark after the tree's selection
+    ended: object = None  # mark after the verification, just before the read-back
     fed: int = 0  # verified positions fed to the draft at the start of the round
     levels: int = 0  # tree levels expanded
-    predicted: float = 0.0  # the tree's predicted accepted length ("auto")
+    path_probs: object = None  # the candidates' path probabilities: on the device, then (read back) a host list
 
 
 class _TreeLoop:
@@ -113,7 +114,7 @@ class _TreeLoop:
             self.prefix_allowed = attention_mask[0].bool()
         position_ids = model_kwargs.get("position_ids")
         self.position_offset = 0 if position_ids is None else int(position_ids[0, -1]) - (input_ids.shape[1] - 1)
-        self.chooser = None
+        self.chooser = self.stopwatch = None  # tree_total_tokens="auto" (see start_auto)
         self.stopping_criteria, self.host_stopping = stopping_criteria, HostStopping.of(stopping_criteria)
         self.last_token = None  # the sequence's last token, on the host (set by the prefill and every commit)
 
@@ -134,7 +135,9 @@ class _TreeLoop:
 
     def prefill(self) -> None:
         """The target's forward over the prompt: the first token, and the prompt's features for the draft."""
-        last = prefill(self.model, self.input_ids, self.model_kwargs, self.cache)
+        total = self.settings["total_tokens"]
+        nodes = AUTO_MAX_NODES if total == "auto" else total  # the most drafted nodes a round verifies
+        last = prefill(self.model, self.input_ids, self.model_kwargs, self.cache, self.max_length + nodes + 1)
         self.cache.crop(0)  # sliding layers back to their window
         token, processed = self._pick(self.input_ids, last)
         self._extend([token], [processed], [last])
@@ -143,40 +146,38 @@ class _TreeLoop:
         self.drafter.state.collect(self.capture, self.input_ids[0, 1:])  # every prompt position is verified
 
     def start_auto(self) -> None:
-        """For ``tree_total_tokens="auto"``: time the target's forwards (once per target) and create the chooser."""
+        """For ``tree_total_tokens="auto"``: time the target's forwards (once per target) and create the chooser; the
+        first round drafts :data:`~hf_eagle3.core.tree_policy.AUTO_FIRST` nodes, each later one as many as the
+        chooser picks from the previous round's candidates (read back with that round's planes)."""
         self.chooser = TreeSizeChooser(target_costs(self.model, self.input_ids, sizes=AUTO_SIZES))
         self.capture.clear()  # the timing forwards (run once per target) went through the hooks
+        self.stopwatch = Stopwatch(self.device)
+        self.next_total = min(AUTO_FIRST, auto_most_nodes(self.settings["depth"], self.settings["top_k"]))
+        self.round_from = None  # where the timeline of the next round starts (the previous round's end)
 
     def draft_round(self) -> _Round:
-        """Feed the draft the verified positions and draft this round's tree (the root alone when not drafting)."""
+        """Feed the draft the verified positions and draft this round's tree (the root alone when not drafting).
+        No read-back: the size of an ``"auto"`` tree was chosen from the previous round's candidates."""
         chooser, drafter = self.chooser, self.drafter
+        mark = self.stopwatch.mark if chooser is not None else (lambda: None)
         depth = min(self.settings["depth"], self.max_length - self.input_ids.shape[1] - 1)
-        started = time.perf_counter()
-        drafting = depth >= 1 and (chooser is None or chooser.draft_this_round())
-        if not drafting:  # a round without a tree defers the feed: the verified positions stay pending
-            tree = DraftTree.root_only(self.input_ids[0, -1:].to(drafter.device))
-            if chooser is not None:
-                synchronize(drafter.device)
-            return _Round(tree, False, depth, started, draft_seconds=time.perf_counter() - started)
-        one = _Round(None, True, depth, started, fed=drafter.state.num_pending)
+        one = _Round(None, depth >= 1 and (chooser is None or chooser.draft_this_round()), depth, started=mark())
+        if not one.drafting:  # a round without a tree defers the feed: the verified positions stay pending
+            one.tree = DraftTree.root_only(self.input_ids[0, -1:].to(drafter.device))
+            return one
+        one.fed = drafter.state.num_pending
         drafter.feed()
-        if chooser is not None:
-            synchronize(drafter.device)
-            one.feed_seconds = time.perf_counter() - started
+        one.fed_at = mark()
         top_k, total = self.settings["top_k"], self.settings["total_tokens"]
-        if total != "auto":
-            top_k, depth = min(top_k, total), min(depth, total)  # deeper or wider nodes could never be kept
-        candidates = drafter.expand(depth, top_k, chooser.should_expand if chooser is not None else None)
-        one.levels = candidates[4]
         if chooser is not None:
-            key = Eagle3TreeDrafter.ranking_key(candidates[0], candidates[3]).sort(descending=True).values
-            probs = key.exp().tolist()
-            total = chooser.choose(probs)
-            one.predicted = sum(probs[:total])
+            total = self.next_total
+        top_k, depth = min(top_k, total), min(depth, total)  # deeper or wider nodes could never be kept
+        candidates = drafter.expand(depth, top_k)
+        one.levels = candidates[4]
         one.tree = drafter.select(candidates, self.input_ids[0, -1:], total)
         if chooser is not None:
-            synchronize(drafter.device)
-        one.draft_seconds = time.perf_counter() - started
+            one.path_probs = Eagle3TreeDrafter.path_probabilities(candidates)
+        one.drafted_at = mark()
         return one
 
     def verify(self, tree: DraftTree) -> torch.Tensor:
@@ -202,20 +203,23 @@ class _TreeLoop:
         )
         return outputs.logits[0, -tree.tokens.shape[0]:].to(dtype=torch.float32, device=device)
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor) -> tuple[TreeWalk, list, int]:
+    def accept(self, one: _Round, logits: torch.Tensor) -> tuple[TreeWalk, list, int]:
         """
-        The path the target accepts and the round's new tokens (one read-back of the tree to the host).
+        The path the target accepts and the round's new tokens: the round's one read-back (the tree, the target's
+        choices or sampling decisions, and for ``"auto"`` the candidates' path probabilities).
 
         Args:
-            tree (`DraftTree`): the verified tree.
+            one (`_Round`): the round (its verified tree).
             logits (`torch.FloatTensor` [n, V]): what :meth:`verify` returned.
 
         Returns:
             ``(walk, new_tokens, tree_depth)``: the :class:`~hf_eagle3.core.acceptance.TreeWalk`, the accepted tokens and
             the bonus clipped to ``max_length`` and the first EOS, and the tree's depth.
         """
-        planes, processed = round_planes(tree, logits, self.do_sample, self.processors)
-        host = planes.tolist()
+        planes, processed = round_planes(one.tree, logits, self.do_sample, self.processors)
+        if self.chooser is not None:
+            one.ended = self.stopwatch.mark()
+        host, one.path_probs = read_back(planes, one.path_probs)
         tokens = host[0]
         walk = walk_planes(host, logits, self.do_sample, processed,
                            process=self._process if self.processors is not None else None)
@@ -247,13 +251,24 @@ class _TreeLoop:
         self._extend(new, walk.scores[: len(new_tokens)], walk.logits[: len(new_tokens)])
         self.last_token = new_tokens[-1]
         self.stats.record(tree_depth, kept)
-        chooser = self.chooser
-        if chooser is not None and one.drafting:
-            chooser.update(one.predicted, len(walk.accepted), one.draft_seconds, draft_forwards=max(1, one.levels),
-                           round_seconds=time.perf_counter() - one.started, feed_seconds=one.feed_seconds,
-                           fed=one.fed)
-        elif chooser is not None and one.depth >= 1:
-            chooser.update_plain(time.perf_counter() - one.started)
+        if self.chooser is not None:
+            self._observe(one, len(walk.accepted))
+
+    def _observe(self, one: _Round, accepted: int) -> None:
+        """For ``"auto"``: record the round's acceptance and times with the chooser, and size the next round's tree
+        from this round's candidates. The marks were all passed by the read-back; a round's time runs from the
+        previous round's end mark to its own (so the read-back, the walk and the commit are counted once)."""
+        chooser, watch = self.chooser, self.stopwatch
+        round_seconds = watch.seconds(self.round_from if self.round_from is not None else one.started, one.ended)
+        self.round_from = one.ended
+        if one.drafting:
+            total = one.tree.tokens.shape[0] - 1
+            chooser.update(sum(one.path_probs[:total]), accepted, watch.seconds(one.started, one.drafted_at),
+                           draft_forwards=max(1, one.levels), round_seconds=round_seconds,
+                           feed_seconds=watch.seconds(one.started, one.fed_at), fed=one.fed)
+            self.next_total = chooser.choose(one.path_probs)
+        elif one.depth >= 1:
+            chooser.update_plain(round_seconds)
 
     def _extend(self, new, scores: list, logits: list) -> None:
         """Append the new tokens to the sequence (and the padding mask), the streamer and the returned outputs."""
@@ -327,6 +342,6 @@ def eagle3_tree_decoding(
     while not loop.finished():
         one = loop.draft_round()
         logits = loop.verify(one.tree)
-        walk, new_tokens, tree_depth = loop.accept(one.tree, logits)
+        walk, new_tokens, tree_depth = loop.accept(one, logits)
         loop.commit(one, walk, new_tokens, tree_depth)
     return loop.output()

@@ -97,15 +97,13 @@ class Eagle3TreeDrafter:
         out = self.state.feed()
         self._hidden, self._logits = out.hidden_states[:, -1:], out.logits[:, -1]
 
-    def expand(self, depth: int, top_k: int, should_expand=None):
+    def expand(self, depth: int, top_k: int):
         """
         Grow the candidates of this round for ``depth`` levels (``depth - 1`` draft forwards of ``top_k`` tokens).
 
         Args:
             depth (`int`): levels of the tree (>= 1).
             top_k (`int`): children per expanded node, and frontier width (capped at the draft vocabulary).
-            should_expand (`Callable[[torch.FloatTensor], bool]`, *optional*): called before each further level with
-                the frontier's cumulative log-probabilities; ``False`` stops the expansion there (fewer levels).
 
         Returns:
             ``(scores, draft_ids, parents, depths, levels)``: the first four over the candidates 1..M in level order
@@ -122,10 +120,25 @@ class Eagle3TreeDrafter:
                              position_ids=torch.full((1, k), real - 1 + level, device=self.device), cache=self.cache,
                              attention_mask=mask)
 
-        keep_going = None if should_expand is None else (lambda scores: should_expand(scores[0]))
-        scores, ids, parents, depths, levels = grow_candidates(self._logits, self._hidden, depth, top_k, step,
-                                                               keep_going)
+        scores, ids, parents, depths, levels = grow_candidates(self._logits, self._hidden, depth, top_k, step)
         return scores[0], ids[0], parents[0], depths, levels
+
+    @staticmethod
+    def path_probabilities(candidates) -> torch.Tensor:
+        """
+        The candidates' path probabilities (the draft's estimate of each one's chance to be accepted), sorted in
+        decreasing order in each row, then averaged over the rows: what a tree of ``N`` nodes is expected to accept
+        (per row) is the sum of the first ``N``. Stays on the device (read back with the round's planes).
+
+        Args:
+            candidates: what :meth:`expand` returned (one row: ``scores`` [M]; a batch: [B, M]).
+
+        Returns:
+            `torch.DoubleTensor` [M].
+        """
+        scores, _, _, depths, _ = candidates
+        key = Eagle3TreeDrafter.ranking_key(scores, depths)
+        return key.exp().sort(dim=-1, descending=True).values.reshape(-1, key.shape[-1]).mean(0)
 
     @staticmethod
     def ranking_key(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
@@ -155,7 +168,7 @@ class Eagle3TreeDrafter:
         return select_trees(one_row, root_token.view(1).to(self.device), total_tokens, self.d2t)[0]
 
 
-def grow_candidates(logits: torch.Tensor, hidden: torch.Tensor, depth: int, top_k: int, step, should_expand=None):
+def grow_candidates(logits: torch.Tensor, hidden: torch.Tensor, depth: int, top_k: int, step):
     """
     The candidates of a round for every row, level by level: the ``top_k`` most likely children of each of the
     ``top_k`` frontier nodes, scored by cumulative log-probability; the next frontier is the ``top_k`` best of them.
@@ -168,8 +181,6 @@ def grow_candidates(logits: torch.Tensor, hidden: torch.Tensor, depth: int, top_
         step (`Callable`): ``step(draft_ids [B, k], hidden [B, k, H], level, ancestors [B, k, (level - 1) k])``
             runs the draft forward of one level (the frontier, each node seeing its row's verified positions, its
             ``ancestors`` among the earlier levels' entries and itself) and returns its `Eagle3DraftOutput`.
-        should_expand (`Callable[[torch.FloatTensor], bool]`, *optional*): called before each further level with the
-            frontier's cumulative log-probabilities [B, k]; ``False`` stops there.
 
     Returns:
         ``(scores [B, M], draft_ids [B, M], parents [B, M], depths [M], levels)``: candidates 1..M in level order
@@ -188,8 +199,6 @@ def grow_candidates(logits: torch.Tensor, hidden: torch.Tensor, depth: int, top_
     ancestors = torch.zeros(rows, k, 0, dtype=torch.bool, device=device)  # frontier x earlier tree entries
     base = 1 + k  # candidate number of the next level's first child
     for level in range(1, depth):
-        if should_expand is not None and not should_expand(scores):
-            break
         out = step(ids, hidden, level, ancestors)
         child_logp, child_ids = torch.log_softmax(out.logits.float(), dim=-1).topk(k, dim=-1)  # [B, k, k]
         child_scores = (scores[:, :, None] + child_logp).flatten(1)

@@ -4,8 +4,6 @@ accepted tokens of the draft's best candidates against the measured cost of veri
 
 from __future__ import annotations
 
-import torch
-
 from .cost_model import interpolate
 from .draft_length_policy import ProbeSchedule, smooth
 
@@ -16,6 +14,18 @@ MIN_ROUNDS_BEFORE_SKIPPING = 8  # rounds with a tree measured before "auto" may 
 SKIP_BELOW = 0.9  # draft no tree while trees make less than this fraction of a plain step's tokens per second
 SMOOTHING = 0.1  # exponential smoothing of the recent rounds' tokens and seconds
 USUAL_FEED = 8  # positions a feed covers after a round with a tree (more: a feed deferred by rounds without one)
+AUTO_FIRST = 16  # nodes of the first round's tree (each later round is sized from the previous round's candidates)
+
+
+def auto_most_nodes(depth: int, top_k: int) -> int:
+    """The most drafted nodes a ``tree_total_tokens="auto"`` round can verify: the candidates ``depth`` levels of
+    ``top_k`` children per frontier node make, at most :data:`AUTO_MAX_NODES`.
+
+    Args:
+        depth (`int`): levels of the tree.
+        top_k (`int`): children per expanded node.
+    """
+    return min(AUTO_MAX_NODES, top_k + (depth - 1) * top_k * top_k)
 
 
 class TreeSizeChooser:
@@ -99,22 +109,6 @@ class TreeSizeChooser:
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
-
-    def should_expand(self, frontier_logp: torch.Tensor) -> bool:
-        """
-        Whether drafting one more tree level pays for itself: the children of the frontier can add at most
-        ``c * sum(exp(frontier_logp))`` expected tokens (a child's path probability never exceeds its parent's), for
-        the cost of one draft forward; expand while that beats the tokens per second of the rounds so far.
-
-        Args:
-            frontier_logp (`torch.FloatTensor`): cumulative log-probabilities of the nodes the level would expand.
-        """
-        if not self.rounds or not self.draft_forwards or self.round_seconds <= 0:
-            return True  # nothing measured yet
-        level_seconds = self.draft_seconds / self.draft_forwards
-        rate = (self.rounds + self.accepted) / self.round_seconds  # tokens per second so far
-        gain = self.calibration * float(frontier_logp.float().exp().sum())
-        return gain > level_seconds * rate
 
     def update(self, predicted: float, accepted: int, draft_seconds: float, draft_forwards: int = 1,
                round_seconds: float | None = None, feed_seconds: float = 0.0, fed: int = 1) -> None:
