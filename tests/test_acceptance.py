@@ -186,3 +186,7 @@ def test_read_back_returns_the_planes_and_the_probabilities_in_one_transfer(monk
     assert back == pytest.approx(original(probs), abs=1 / acceptance.PROBABILITY_SCALE)
     one_row, none = acceptance.read_back(planes[0])
     assert one_row == original(planes[0]) and none is None
+    ranking = torch.stack([probs, torch.tensor([1.0, 3.0, 2.0, 5.0], dtype=torch.float64)])
+    host, back = acceptance.read_back(planes, ranking)
+    assert host == original(planes) and back[1] == [1.0, 3.0, 2.0, 5.0]
+    assert back[0] == pytest.approx(original(probs), abs=1 / acceptance.PROBABILITY_SCALE)

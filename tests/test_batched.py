@@ -185,6 +185,7 @@ def test_tree_auto_sizes_every_round_and_stays_exact(arch, monkeypatch):
     sizes, skips = itertools.cycle([1, 5, 20, 2, 36]), itertools.cycle([True, True, False, True])
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", lambda self, probs: min(next(sizes), len(probs)))
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: next(skips))
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "levels", lambda self, frontier, most: most)  # every level
     target, draft = batch_target(arch), batch_draft(arch)
     ids, mask = padded_batch((4, 13, 8, 2), seed=12)
     ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)

@@ -269,6 +269,19 @@ def test_auto_tree_rounds_without_a_tree_stay_lossless(arch, monkeypatch):
     torch.testing.assert_close(features, target_features(target, out, layer_ids)[:, :n], atol=1e-4, rtol=1e-4)
 
 
+def test_size_chooser_drafts_the_levels_whose_frontier_can_pay():
+    chooser = tree_policy.TreeSizeChooser({1: 0.04, 64: 0.08})
+    assert chooser.levels([0.001, 0.0], 5) == 5  # nothing measured yet: every level
+    # 10 rounds of 0.05 s each (0.01 s drafting with 2 forwards), 1 accepted token per round: 40 tokens/s.
+    for _ in range(10):
+        chooser.update(predicted=1.0, accepted=1, draft_seconds=0.01, draft_forwards=2, round_seconds=0.05)
+    # One level costs 5 ms, i.e. 0.2 tokens at 40 tokens/s: a level is drafted while the frontier before it holds more.
+    assert chooser.levels([0.9, 0.5, 0.3, 0.1], 5) == 4
+    assert chooser.levels([0.9, 0.5, 0.0, 0.0], 5) == 3  # one level past the ones drafted last round, at most
+    assert chooser.levels([0.9, 0.5, 0.3, 0.3], 3) == 3  # never past tree_depth
+    assert chooser.levels([0.1, 0.9], 5) == 1
+
+
 class Recorder:
     def __init__(self):
         self.chunks, self.ended = [], 0
@@ -424,14 +437,20 @@ def test_smollm2_greedy_identity(smollm2):
 
 
 def test_auto_sizes_each_round_from_the_previous_rounds_candidates(monkeypatch):
-    """"auto" reads nothing back mid-round: the first tree has AUTO_FIRST nodes, each later one the size the chooser
-    picked from the previous round's candidates (read back with that round's planes); a random draft's hopeless
-    candidates shrink the trees, and the output is unchanged."""
+    """"auto" reads nothing back mid-round: the first tree has AUTO_FIRST nodes and all levels, each later one the size
+    the chooser picked from the previous round's candidates (read back with that round's planes) and one level more
+    than the deepest of them needs; a random draft's hopeless candidates shrink the trees, and the output is
+    unchanged."""
     target = target_of("llama")
     ids = prompt(9, seed=11)
     ref = greedy(target, ids, max_new_tokens=24)
-    sizes, chosen = [], []
+    sizes, chosen, levels = [], [], []
     select, choose = tree_drafter.Eagle3TreeDrafter.select, tree_policy.TreeSizeChooser.choose
+    expand = tree_drafter.Eagle3TreeDrafter.expand
+
+    def recording_expand(self, depth, top_k):
+        levels.append(depth)
+        return expand(self, depth, top_k)
 
     def recording_select(self, candidates, root_token, total_tokens):
         sizes.append(total_tokens)
@@ -443,9 +462,11 @@ def test_auto_sizes_each_round_from_the_previous_rounds_candidates(monkeypatch):
         return chosen[-1]
 
     monkeypatch.setattr(tree_drafter.Eagle3TreeDrafter, "select", recording_select)
+    monkeypatch.setattr(tree_drafter.Eagle3TreeDrafter, "expand", recording_expand)
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", recording_choose)
     out = greedy(target, ids, max_new_tokens=24, assistant_model=tiny_draft(target, seed=12), **tree(3, 5, "auto"))
     assert torch.equal(out, ref)
     assert sizes[0] == min(tree_policy.AUTO_FIRST, tree_policy.auto_most_nodes(5, 3))
     assert len(sizes) >= 5 and sizes[1:] == chosen[: len(sizes) - 1]
     assert min(sizes[1:]) < sizes[0]
+    assert levels[0] == 5 and all(1 <= d <= min(5, n) for d, n in zip(levels, sizes)) and min(levels[1:]) < 5

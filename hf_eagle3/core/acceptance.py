@@ -218,29 +218,33 @@ def round_planes(tree, logits: torch.Tensor, do_sample: bool, processors) -> tup
 PROBABILITY_SCALE = 1 << 24  # path probabilities travel to the host as integers, in one transfer with the planes
 
 
-def read_back(planes: torch.Tensor, path_probs: torch.Tensor | None = None) -> tuple[list, list | None]:
+def _nested(flat: list, shape) -> list:
+    for size in reversed(shape[1:]):
+        flat = [flat[i : i + size] for i in range(0, len(flat), size)]
+    return flat
+
+
+def read_back(planes: torch.Tensor, ranking: torch.Tensor | None = None) -> tuple[list, list | None]:
     """
     The round's one read-back: ``planes`` (from :func:`round_planes`, one row ``[P, n]`` or stacked rows
-    ``[B, P, N]``) as nested host lists and, in the same transfer, the candidates' path probabilities that size the
-    next round's tree (``tree_total_tokens="auto"``).
+    ``[B, P, N]``) as nested host lists and, in the same transfer, the candidate ranking that sizes the next round's
+    tree (``tree_total_tokens="auto"``: path probabilities and depths by rank).
 
     Args:
         planes (`torch.LongTensor`): the planes.
-        path_probs (`torch.Tensor` [M], *optional*): probabilities in ``[0, 1]``, sorted in decreasing order.
+        ranking (`torch.Tensor` [R, M], *optional*): non-negative values below ``2**39`` (probabilities, depths).
 
     Returns:
-        ``(planes as nested lists, path_probs as a list of floats or None)``; the probabilities come back rounded to
-        ``1 / PROBABILITY_SCALE``.
+        ``(planes as nested lists, ranking as nested lists of floats or None)``; the ranking comes back rounded to
+        ``1 / PROBABILITY_SCALE`` (integers exactly).
     """
-    if path_probs is None:
+    if ranking is None:
         return planes.tolist(), None
-    scaled = (path_probs.double() * PROBABILITY_SCALE).round().long().to(planes.device)
-    values = torch.cat([planes.flatten().long(), scaled]).tolist()
+    scaled = (ranking.double() * PROBABILITY_SCALE).round().long().to(planes.device)
+    values = torch.cat([planes.flatten().long(), scaled.flatten()]).tolist()
     count = planes.numel()
-    nested = values[:count]
-    for size in reversed(planes.shape[1:]):
-        nested = [nested[i : i + size] for i in range(0, len(nested), size)]
-    return nested, [v / PROBABILITY_SCALE for v in values[count:]]
+    extra = [v / PROBABILITY_SCALE for v in values[count:]]
+    return _nested(values[:count], planes.shape), _nested(extra, ranking.shape)
 
 
 def walk_planes(host: list, logits: torch.Tensor, do_sample: bool, processed=None, process=None) -> TreeWalk:

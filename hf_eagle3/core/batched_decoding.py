@@ -231,7 +231,8 @@ class _BatchLoop:
         if self.shape["tree_auto"]:
             self.chooser = TreeSizeChooser(target_costs(model, input_ids, sizes=AUTO_SIZES))
             self.capture.clear()
-        self.path_probs = None  # "tree_auto": the round's candidates' path probabilities, mean over rows, sorted
+        self.ranking = None  # "tree_auto": the round's candidate_ranking (probabilities, frontier masses)
+        self.next_depth = self.shape["depth"]  # "tree_auto": the levels of the next round's trees
         self.stopping_criteria = stopping_criteria
         self.host_stopping = HostStopping.of(stopping_criteria)
         self.do_sample = bool(generation_config.do_sample)
@@ -287,13 +288,15 @@ class _BatchLoop:
             k = policy.choose(shape["depth"], feed=feed)
             shape = dict(shape, depth=k, total=k)
         depth = min(shape["depth"], max(self.max_length - len(row.ids) - 1 for row in self.rows))
-        self.path_probs = None
+        self.ranking = None
         if chooser is not None and depth >= 1 and not chooser.draft_this_round():
             depth = 0  # a plain step for the batch; the feed waits
+        elif chooser is not None:
+            depth = min(depth, self.next_depth)
         roots = torch.tensor([row.ids[-1] for row in self.rows], dtype=torch.long, device=drafter.device)
         trees = drafter.round_trees(depth, shape["top_k"], shape["total"], roots)
         if chooser is not None and depth >= 1:
-            self.path_probs = Eagle3TreeDrafter.path_probabilities(drafter.last_candidates)
+            self.ranking = Eagle3TreeDrafter.candidate_ranking(drafter.last_candidates)
         return trees, shape["depth"] if depth >= 1 else 0, feed
 
     def verify(self, trees: list) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -334,9 +337,9 @@ class _BatchLoop:
             row_planes, row_processed = round_planes(tree, logits[b, :n], self.do_sample, self.processors)
             planes.append(torch.stack([_padded(plane, nodes) for plane in row_planes]))
             processed.append(row_processed)
-        host, probs = read_back(torch.stack(planes), self.path_probs)
-        if probs is not None:
-            self.path_probs = probs
+        host, ranking = read_back(torch.stack(planes), self.ranking)
+        if ranking is not None:
+            self.ranking = ranking
         kept, depths, following = [], [], []
         for b, (row, n) in enumerate(zip(self.rows, sizes)):
             mine = [plane[:n] for plane in host[b]]
@@ -406,11 +409,12 @@ class _BatchLoop:
         if not drafted:
             chooser.update_plain(seconds)
             return
-        total, probs = trees[0].tokens.shape[0] - 1, self.path_probs
+        total, (probs, frontier) = trees[0].tokens.shape[0] - 1, self.ranking
         accepted = sum(len(path) - 1 for path in kept) / len(kept)  # per row, as the probabilities are
         chooser.update(sum(probs[:total]), accepted, max(seconds - chooser.target_seconds(total + 1), 0.0),
                        draft_forwards=trees[0].max_depth, round_seconds=seconds, fed=feed)
         self.shape = dict(self.shape, total=chooser.choose(probs))
+        self.next_depth = chooser.levels(frontier, self.shape["depth"])
 
 
 def _padded(values: torch.Tensor, n: int) -> torch.Tensor:

@@ -56,7 +56,7 @@ class _Round:
     ended: object = None  # mark after the verification, just before the read-back
     fed: int = 0  # verified positions fed to the draft at the start of the round
     levels: int = 0  # tree levels expanded
-    path_probs: object = None  # the candidates' path probabilities: on the device, then (read back) a host list
+    ranking: object = None  # candidate_ranking's probabilities and frontier masses: on the device, then host lists
 
 
 class _TreeLoop:
@@ -153,6 +153,7 @@ class _TreeLoop:
         self.capture.clear()  # the timing forwards (run once per target) went through the hooks
         self.stopwatch = Stopwatch(self.device)
         self.next_total = min(AUTO_FIRST, auto_most_nodes(self.settings["depth"], self.settings["top_k"]))
+        self.next_depth = self.settings["depth"]
         self.round_from = None  # where the timeline of the next round starts (the previous round's end)
 
     def draft_round(self) -> _Round:
@@ -170,13 +171,13 @@ class _TreeLoop:
         one.fed_at = mark()
         top_k, total = self.settings["top_k"], self.settings["total_tokens"]
         if chooser is not None:
-            total = self.next_total
+            total, depth = self.next_total, min(depth, self.next_depth)
         top_k, depth = min(top_k, total), min(depth, total)  # deeper or wider nodes could never be kept
         candidates = drafter.expand(depth, top_k)
         one.levels = candidates[4]
         one.tree = drafter.select(candidates, self.input_ids[0, -1:], total)
         if chooser is not None:
-            one.path_probs = Eagle3TreeDrafter.path_probabilities(candidates)
+            one.ranking = Eagle3TreeDrafter.candidate_ranking(candidates)
         one.drafted_at = mark()
         return one
 
@@ -219,7 +220,7 @@ class _TreeLoop:
         planes, processed = round_planes(one.tree, logits, self.do_sample, self.processors)
         if self.chooser is not None:
             one.ended = self.stopwatch.mark()
-        host, one.path_probs = read_back(planes, one.path_probs)
+        host, one.ranking = read_back(planes, one.ranking)
         tokens = host[0]
         walk = walk_planes(host, logits, self.do_sample, processed,
                            process=self._process if self.processors is not None else None)
@@ -263,10 +264,12 @@ class _TreeLoop:
         self.round_from = one.ended
         if one.drafting:
             total = one.tree.tokens.shape[0] - 1
-            chooser.update(sum(one.path_probs[:total]), accepted, watch.seconds(one.started, one.drafted_at),
+            probs, frontier = one.ranking
+            chooser.update(sum(probs[:total]), accepted, watch.seconds(one.started, one.drafted_at),
                            draft_forwards=max(1, one.levels), round_seconds=round_seconds,
                            feed_seconds=watch.seconds(one.started, one.fed_at), fed=one.fed)
-            self.next_total = chooser.choose(one.path_probs)
+            self.next_total = chooser.choose(probs)
+            self.next_depth = chooser.levels(frontier, self.settings["depth"])
         elif one.depth >= 1:
             chooser.update_plain(round_seconds)
 

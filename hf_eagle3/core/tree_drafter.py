@@ -124,21 +124,32 @@ class Eagle3TreeDrafter:
         return scores[0], ids[0], parents[0], depths, levels
 
     @staticmethod
-    def path_probabilities(candidates) -> torch.Tensor:
+    def candidate_ranking(candidates) -> torch.Tensor:
         """
-        The candidates' path probabilities (the draft's estimate of each one's chance to be accepted), sorted in
-        decreasing order in each row, then averaged over the rows: what a tree of ``N`` nodes is expected to accept
-        (per row) is the sum of the first ``N``. Stays on the device (read back with the round's planes).
+        What sizes the next round's tree (``tree_total_tokens="auto"``), from this round's candidates: their path
+        probabilities (the draft's estimate of each one's chance to be accepted), sorted in decreasing order in each
+        row and averaged over the rows, so that what a tree of ``N`` nodes is expected to accept (per row) is the sum
+        of the first ``N``; and, per level, the path probability mass of the frontier a further level would expand
+        (the ``top_k`` best candidates of the level; a child's path probability never exceeds its parent's, so this
+        bounds what the next level can add). Stays on the device (read back with the round's planes).
 
         Args:
             candidates: what :meth:`expand` returned (one row: ``scores`` [M]; a batch: [B, M]).
 
         Returns:
-            `torch.DoubleTensor` [M].
+            `torch.DoubleTensor` [2, M]: the sorted probabilities; the frontier masses of levels 1, 2, ..., then zeros.
         """
-        scores, _, _, depths, _ = candidates
-        key = Eagle3TreeDrafter.ranking_key(scores, depths)
-        return key.exp().sort(dim=-1, descending=True).values.reshape(-1, key.shape[-1]).mean(0)
+        scores, _, _, depths, levels = candidates
+        m = depths.shape[-1]
+        key = Eagle3TreeDrafter.ranking_key(scores, depths).reshape(-1, m)
+        probs = key.exp()
+        # Level 1 holds k candidates and each further level k * k: k from m = k + (levels - 1) * k^2.
+        k = m if levels == 1 else round((-1 + (1 + 4 * (levels - 1) * m) ** 0.5) / (2 * (levels - 1)))
+        starts = [0] + [k + i * k * k for i in range(levels)]
+        masses = [probs[:, starts[i] : starts[i + 1]].topk(k, dim=-1).values.sum(-1).mean() for i in range(levels)]
+        frontier = torch.zeros(m, dtype=torch.float64, device=probs.device)
+        frontier[:levels] = torch.stack(masses)
+        return torch.stack([probs.sort(dim=-1, descending=True).values.mean(0), frontier])
 
     @staticmethod
     def ranking_key(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:

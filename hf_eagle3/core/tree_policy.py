@@ -110,6 +110,30 @@ class TreeSizeChooser:
                 best, best_rate = n, rate
         return best
 
+    def levels(self, frontier_mass: list, most: int) -> int:
+        """
+        The levels to draft next round: the first, then each further one while the previous round's frontier there
+        could pay for a draft forward: its children can add at most ``c * mass`` expected tokens (a child's path
+        probability never exceeds its parent's), worth drafting while that beats the tokens per second of the rounds
+        so far times the time of one level. Decided on the host from what the previous round's read-back brought
+        (so a tree grows at most one level a round beyond what was drafted).
+
+        Args:
+            frontier_mass (`list[float]`): per level drafted last round, the path probability mass of its ``top_k`` best
+                candidates (``Eagle3TreeDrafter.candidate_ranking``; zeros past the levels drafted).
+            most (`int`): ``tree_depth``.
+        """
+        if not self.rounds or not self.draft_forwards or self.round_seconds <= 0:
+            return most  # nothing measured yet
+        level_seconds = self.draft_seconds / self.draft_forwards
+        rate = (self.rounds + self.accepted) / self.round_seconds  # tokens per second so far
+        levels = 1
+        for mass in frontier_mass[: most - 1]:
+            if self.calibration * mass <= level_seconds * rate:
+                break
+            levels += 1
+        return levels
+
     def update(self, predicted: float, accepted: int, draft_seconds: float, draft_forwards: int = 1,
                round_seconds: float | None = None, feed_seconds: float = 0.0, fed: int = 1) -> None:
         """
