@@ -11,6 +11,8 @@ Stages, in order of importance (each is skipped, and says so, when the budget le
    shape (draft vocabulary 32k), the oracle's speed-ups for chains k = 1..7, ``"auto"`` and three trees.
 3. ``batched_bf16``: the same target in bfloat16 on batches of 1, 2, 4 and 8 rows with a random draft (nothing is
    accepted): the decoding loop's cost per round against plain batched ``generate``.
+4. ``compiled_bf16``: the oracle stage's target and draft, chains k = 3 and 5 and a tree, with the draft's steps eager
+   and then under ``torch.compile`` (``CompileConfig(mode="default")``; a short call compiles first), side by side.
 
 Writes ``gpu_check.md`` and ``gpu_check.json`` to ``--out`` after every stage, so a run cut short keeps what it
 finished. Exit code 1 when an output differs from plain ``generate``.
@@ -176,6 +178,31 @@ def batched_bf16(args):
     return report, format_batched_markdown(report)
 
 
+def compiled_bf16(args):
+    """Stage 4: eager against compiled drafting steps under the oracle, bfloat16, the same prompts."""
+    from transformers import CompileConfig
+
+    shape = "tiny" if args.small else "llama-3.1-8b"
+    target = synthetic_target(shape, dtype=torch.bfloat16, device=args.device, decisive=True)
+    vocab = target.config.vocab_size
+    draft = random_draft_for(target, draft_vocab_size=min(32000, vocab))
+    prompts = random_prompts(vocab, [256] * (1 if args.small else args.oracle_prompts), seed=3)
+    new = 16 if args.small else args.oracle_new_tokens
+    options = dict(ks=(3, 5), auto=False, tree_shapes=((4, 4, 8),), progress=False)
+    reports = {}
+    for name, config in (("eager", None), ("compiled", CompileConfig(mode="default"))):
+        draft.generation_config.compile_config = config
+        with torch.no_grad():
+            run_oracle_bench(target, draft, prompts[:1], parse_profile("llama3-8b"), max_new_tokens=8,
+                             **options)  # compiles the steps (compiled) or warms up (eager)
+            reports[name] = run_oracle_bench(target, draft, prompts, parse_profile("llama3-8b"), max_new_tokens=new,
+                                             **options)
+    draft.generation_config.compile_config = None
+    check.identical &= all(r["identical"] for r in reports.values())
+    text = "\n\n".join(f"### {name}\n\n{format_oracle_markdown(r)}" for name, r in reports.items())
+    return reports, text
+
+
 def main(argv=None) -> int:
     """Run the stages; exit code 1 when an output differs from plain ``generate`` or a stage failed."""
     global check
@@ -189,11 +216,12 @@ def main(argv=None) -> int:
     parser.add_argument("--ks", default="1,2,3,4,5,6,7", help="chain lengths of the bf16 oracle stage")
     parser.add_argument("--batch-sizes", default="1,2,4,8", help="batch sizes of the bf16 batched stage")
     parser.add_argument("--batch-new-tokens", type=int, default=48, help="new tokens per row, batched stage")
-    parser.add_argument("--stages", default="identity,oracle_bf16,batched_bf16")
+    parser.add_argument("--stages", default="identity,oracle_bf16,batched_bf16,compiled_bf16")
     args = parser.parse_args(argv)
     check = Check(args)
-    needs = {"identity": 0, "oracle_bf16": 90, "batched_bf16": 40}
-    bodies = {"identity": identity, "oracle_bf16": oracle_bf16, "batched_bf16": batched_bf16}
+    needs = {"identity": 0, "oracle_bf16": 90, "batched_bf16": 40, "compiled_bf16": 90}
+    bodies = {"identity": identity, "oracle_bf16": oracle_bf16, "batched_bf16": batched_bf16,
+              "compiled_bf16": compiled_bf16}
     for name in args.stages.split(","):
         check.stage(name, needs[name] if not args.small else 0, lambda: bodies[name](args))
     print((check.out / "gpu_check.md").read_text())

@@ -364,14 +364,17 @@ class _BatchLoop:
         return kept, depths
 
     def commit(self, kept: list, start: int) -> None:
-        """The target cache keeps each row's accepted path; a shorter path than the longest leaves holes."""
+        """The target cache keeps each row's accepted path; a shorter path than the longest leaves holes. When every
+        row keeps every entry of the forward in order (a round that drafted nothing), the cache stays as it is."""
         width = max(len(p) for p in kept)
         index = torch.zeros(len(kept), width, dtype=torch.long)
         block = torch.zeros(len(kept), width, dtype=torch.bool)
         for b, p in enumerate(kept):
             index[b, : len(p)] = torch.tensor(p)
             block[b, : len(p)] = True
-        gather_entries(self.cache, index.to(self.device), start)
+        everything = self.cache.get_seq_length() == start + width and all(p == list(range(width)) for p in kept)
+        if not everything:
+            gather_entries(self.cache, index.to(self.device), start)
         self.valid = torch.cat([self.valid, block.to(self.device)], dim=1)
         self.positions = self.positions + block.sum(-1).to(self.device)
 
