@@ -82,10 +82,10 @@ def run_demo(
     print(f"User: {prompt}\nAssistant (EAGLE-3): ", end="", flush=True)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     torch.manual_seed(seed)
-    synchronize(target_model.device)
+    synchronize(target_model)
     start = time.perf_counter()
     eagle_out = target_model.generate(ids, assistant_model=draft_model, streamer=streamer, **draft_settings, **gen)
-    synchronize(target_model.device)
+    synchronize(target_model)
     eagle_s = time.perf_counter() - start
     stats = draft_model.last_stats
     print()
@@ -93,10 +93,10 @@ def run_demo(
 
     print("Timing plain generate on the same prompt ...", flush=True)
     torch.manual_seed(seed)
-    synchronize(target_model.device)
+    synchronize(target_model)
     start = time.perf_counter()
     plain_out = target_model.generate(ids, **gen)
-    synchronize(target_model.device)
+    synchronize(target_model)
     plain_s = time.perf_counter() - start
 
     eagle_new = eagle_out[0, ids.shape[1]:].tolist()

@@ -316,3 +316,28 @@ def test_speculators_export_carries_the_shared_embedding_when_the_target_is_know
     with pytest.raises(ValueError, match="hidden"):
         export_draft(tiny_draft(target, 48, seed=9), tmp_path / "bad", format="speculators", target=other)
     assert not (tmp_path / "bad").exists()  # refused before anything was written
+
+
+def test_synchronize_waits_for_every_device_of_a_sharded_model(monkeypatch):
+    """A model's parameters on several GPUs: each device is waited for (a target spread by device_map queues work on
+    each); a CPU device or model waits for nothing."""
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(str(device)))
+
+    class Sharded(torch.nn.Module):
+        def parameters(self, recurse=True):
+            return iter([torch.nn.Parameter(torch.empty(1, device="meta")), *fake])
+
+    class FakeParameter:
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+    fake = [FakeParameter("cuda:0"), FakeParameter("cuda:1"), FakeParameter("cuda:1")]
+    cost_model.synchronize(Sharded())
+    assert sorted(waited) == ["cuda:0", "cuda:1"]
+    waited.clear()
+    cost_model.synchronize("cpu")
+    cost_model.synchronize(torch.nn.Linear(2, 2))
+    assert waited == []
+    cost_model.synchronize("cuda:1")
+    assert waited == ["cuda:1"]

@@ -100,11 +100,11 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
             for s in strategies:
                 kwargs = dict(s.generate_kwargs, assistant_model=draft) if s.uses_draft else dict(s.generate_kwargs)
                 with s.applied_to(draft):
-                    synchronize(target.device)
+                    synchronize(target)
                     start = time.perf_counter()
                     out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                                           **kwargs)
-                    synchronize(target.device)
+                    synchronize(target)
                     seconds = time.perf_counter() - start
                 total = totals[s.name]
                 total["seconds"] += seconds

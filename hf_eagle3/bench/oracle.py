@@ -51,7 +51,7 @@ class _ForwardTimer:
         return sum(self.times[1:])
 
     def _sync(self):
-        synchronize(self.model.device)
+        synchronize(self.model)
 
     def __enter__(self):
         def pre(module, args, kwargs):
@@ -184,10 +184,10 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
         ids = ids.to(device)
         mask = torch.ones_like(ids)
         with _ForwardTimer(target) as timer:
-            synchronize(device)
+            synchronize(target)
             start = time.perf_counter()
             ref = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
-            synchronize(device)
+            synchronize(target)
         add(totals["plain"], time.perf_counter() - start, ref.shape[1] - ids.shape[1], timer, len(timer.times))
         reference = ref[0].tolist()
         for name, kwargs, _, shape in strategies:
@@ -203,11 +203,11 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
             install = {"chain": Recording} if shape is None else {"tree": Recording}
             with use_drafting(**install), _ForwardTimer(target) as timer:
                 draft.reset_stats()
-                synchronize(device)
+                synchronize(target)
                 start = time.perf_counter()
                 out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                                       assistant_model=draft, **kwargs)
-                synchronize(device)
+                synchronize(target)
             stats = draft.last_stats
             total = totals[name]
             add(total, time.perf_counter() - start, out.shape[1] - ids.shape[1], timer, stats.num_target_forwards)

@@ -135,11 +135,11 @@ def run_bench(
                 if mode == "sampled":
                     torch.manual_seed(seed + i)
                 with s.applied_to(draft):
-                    synchronize(target.device)
+                    synchronize(target)
                     start = time.perf_counter()
                     out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                           **kwargs)
-                    synchronize(target.device)
+                    synchronize(target)
                     seconds = time.perf_counter() - start
                 new = out[0, ids.shape[1]:].tolist()
                 total = totals[(mode, s.name)]

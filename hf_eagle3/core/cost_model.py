@@ -27,13 +27,17 @@ CONTEXT_TOKENS = 128  # cache length the forwards are timed on
 
 def synchronize(device) -> None:
     """
-    Wait for ``device``'s queued work (CUDA); nothing to wait for elsewhere. Used around timings only.
+    Wait for the queued work of ``device`` (CUDA; nothing to wait for elsewhere), or of every device of a model: a
+    target sharded over several GPUs (``device_map``) queues work on each. Used around timings only.
 
     Args:
-        device (`torch.device` or `str`): the device.
+        device (`torch.device`, `str` or `torch.nn.Module`): a device, or a model whose parameters' devices are
+            all waited for.
     """
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+    devices = {p.device for p in device.parameters()} if isinstance(device, torch.nn.Module) else {device}
+    for one in devices:
+        if torch.device(one).type == "cuda":
+            torch.cuda.synchronize(one)
 
 
 class Stopwatch:
@@ -148,7 +152,8 @@ class Eagle3Costs:
 
 # ------------------------------------------------------------------------------------------------------ measuring
 def _time(fn, device, repeats: int) -> float:
-    """Best wall time of ``fn()`` over ``repeats`` runs, after one warm-up run."""
+    """Best wall time of ``fn()`` over ``repeats`` runs, after one warm-up run (``device``: as :func:`synchronize`
+    takes it)."""
     fn()
     best = math.inf
     for _ in range(repeats):
@@ -198,10 +203,10 @@ def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZ
     for _ in range(repeats):  # sweeps over all sizes: a stall of the machine spoils one sweep, not one size
         for n, run in runs.items():
             cache = copy.deepcopy(prefilled)  # each forward extends the same context; the copy is not timed
-            synchronize(device)
+            synchronize(target)  # every device a sharded target uses
             start = time.perf_counter()
             run(cache)
-            synchronize(device)
+            synchronize(target)
             costs[n] = min(costs[n], time.perf_counter() - start)
     one = costs[min(sizes)]
     return {n: max(seconds, one) for n, seconds in costs.items()}  # more tokens never cost less than one
