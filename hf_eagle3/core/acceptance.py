@@ -278,3 +278,26 @@ def clip_new_tokens(tokens: list[int], room: int, eos: set) -> list[int]:
         if t in eos:
             return tokens[: i + 1]
     return tokens
+
+
+def accept_row(host: list, logits: torch.Tensor, do_sample: bool, processed, process, room: int,
+               eos: set) -> tuple[TreeWalk, list[int]]:
+    """
+    One sequence's acceptance after the round's read-back (both loops, every row): :func:`walk_planes` over its tree,
+    then its new tokens (the accepted drafts and the target's bonus) cut by :func:`clip_new_tokens`.
+
+    Args:
+        host (`list[list[int]]`): the row's planes, cut to its ``n`` nodes.
+        logits (`torch.FloatTensor` [n, V]): the target's logits at the nodes.
+        do_sample (`bool`): sampling (else greedy).
+        processed (`torch.FloatTensor` [n, V] or `None`): from :func:`round_planes`.
+        process: the node-by-node processing of :func:`walk_tree`, or ``None``.
+        room (`int`): tokens the row may still add (``max_length`` minus its length).
+        eos (`set[int]`): end-of-sequence ids.
+
+    Returns:
+        ``(walk, new_tokens)``.
+    """
+    walk = walk_planes(host, logits, do_sample, processed, process=process)
+    tokens = host[0]
+    return walk, clip_new_tokens([tokens[a] for a in walk.accepted] + [walk.bonus], room, eos)

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .acceptance import clip_new_tokens, read_back, round_planes, walk_planes
+from .acceptance import accept_row, read_back, round_planes
 from .batch_drafter import Eagle3BatchTreeDrafter, take_positions
 from .cost_model import measure_costs, target_costs
 from .draft_length_policy import Eagle3DraftLengthPolicy
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
-from .stats import Eagle3Stats
+from .stats import Eagle3Stats, publish_stats
 from .stopping import HostStopping
 from .target_cache import batch_tree_mask, compact, decoding_cache, gather_entries, keep_rows, prefill, sliding_window
 from .transformers_compat import eos_token_ids
@@ -343,11 +343,9 @@ class _BatchLoop:
         kept, depths, following = [], [], []
         for b, (row, n) in enumerate(zip(self.rows, sizes)):
             mine = [plane[:n] for plane in host[b]]
-            tokens = mine[0]
-            walk = walk_planes(mine, logits[b, :n], self.do_sample, processed[b],
-                               process=_row_processor(self.processors, row, len(self.finished), self.device))
-            new = clip_new_tokens([tokens[a] for a in walk.accepted] + [walk.bonus], self.max_length - len(row.ids),
-                                  self.eos)
+            walk, new = accept_row(mine, logits[b, :n], self.do_sample, processed[b],
+                                   _row_processor(self.processors, row, len(self.finished), self.device),
+                                   self.max_length - len(row.ids), self.eos)
             path = [0] + walk.accepted[: len(new) - 1]
             kept.append(path)
             following.append(new)
@@ -412,12 +410,12 @@ class _BatchLoop:
         if not drafted:
             chooser.update_plain(seconds)
             return
-        total, (probs, frontier) = trees[0].tokens.shape[0] - 1, self.ranking
+        total = trees[0].tokens.shape[0] - 1
         accepted = sum(len(path) - 1 for path in kept) / len(kept)  # per row, as the probabilities are
-        chooser.update(sum(probs[:total]), accepted, max(seconds - chooser.target_seconds(total + 1), 0.0),
-                       draft_forwards=trees[0].max_depth, round_seconds=seconds, fed=feed)
-        self.shape = dict(self.shape, total=chooser.choose(probs))
-        self.next_depth = chooser.levels(frontier, self.shape["depth"])
+        nodes, self.next_depth = chooser.observe_tree_round(
+            self.ranking, total, accepted, max(seconds - chooser.target_seconds(total + 1), 0.0), trees[0].max_depth,
+            seconds, self.shape["depth"], fed=feed)
+        self.shape = dict(self.shape, total=nodes)
 
 
 def _padded(values: torch.Tensor, n: int) -> torch.Tensor:
@@ -456,13 +454,7 @@ class _BatchRun:
 
     def finish(self) -> Eagle3Stats:
         """Publish the statistics on the draft and return their sum."""
-        total = Eagle3Stats()
-        for stats in self.rows:
-            total = total + stats
-        if self.policy is not None:
-            self.draft._draft_length_state = self.policy.carried()
-        self.draft._record_stats(total, rows=self.rows)
-        return total
+        return publish_stats(self.draft, self.rows, self.policy)
 
 
 def _outputs(finished: list, generation_config, input_ids, run: _BatchRun, output_class):

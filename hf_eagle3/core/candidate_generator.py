@@ -18,7 +18,7 @@ from .draft_steps import chain_step
 from .feature_capture import Eagle3OutputFeatures
 from .logits_process import Eagle3D2TLogitsProcessor
 from .settings import DEFAULT_DRAFT_LENGTH, SCHEDULES
-from .stats import Eagle3Stats
+from .stats import Eagle3Stats, publish_stats
 
 
 class Eagle3CandidateGenerator(CandidateGenerator):
@@ -225,7 +225,4 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         """End of the call: persist the heuristic draft length and publish the statistics on the draft."""
         if self.schedule == "heuristic":
             self.draft.generation_config.num_assistant_tokens = self.num_assistant_tokens
-        if self.policy is not None:
-            self.draft._draft_length_state = self.policy.carried()
-        self.draft._record_stats(self.stats)
-        return self.stats
+        return publish_stats(self.draft, [self.stats], self.policy)

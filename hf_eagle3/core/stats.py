@@ -125,3 +125,26 @@ class Eagle3Stats:
         """One line on the drafting rounds: how many drafted, their mean length, how many drafted nothing."""
         return (f"rounds drafted: {self.num_drafts} (mean k {self.mean_draft_length:.2f}), rounds without a draft: "
                 f"{self.num_rounds_without_draft}")
+
+
+def publish_stats(draft, rows: list, policy=None) -> Eagle3Stats:
+    """
+    The end of a ``generate`` call, for every decoding path: publish the statistics on the draft (``last_stats``, the
+    sum over the rows; ``last_batch_stats``, one per row; ``cumulative_stats``) and carry the ``"auto"`` draft-length
+    policy's acceptance estimate to the draft's next call.
+
+    Args:
+        draft (`Eagle3DraftModel`): the draft.
+        rows (`list[Eagle3Stats]`): one per sequence (one for batch 1).
+        policy (`Eagle3DraftLengthPolicy`, *optional*): the call's ``"auto"`` policy.
+
+    Returns:
+        `Eagle3Stats`: the sum over the rows.
+    """
+    total = Eagle3Stats()
+    for stats in rows:
+        total = total + stats
+    if policy is not None:
+        draft._draft_length_state = policy.carried()
+    draft._record_stats(total, rows=rows)
+    return total

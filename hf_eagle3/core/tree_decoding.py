@@ -8,8 +8,8 @@ prepared (logits processors, stopping criteria, streamer, cache). See ``docs/tre
 
 Each round is a straight line of steps (:class:`_TreeLoop`): :meth:`~_TreeLoop.draft_round` (feed the draft the
 verified positions, draft a tree), :meth:`~_TreeLoop.verify` (one target forward over the tree),
-:meth:`~_TreeLoop.accept` (:func:`~hf_eagle3.core.acceptance.walk_tree` and
-:func:`~hf_eagle3.core.acceptance.clip_new_tokens`) and :meth:`~_TreeLoop.commit` (keep the accepted path in the target's
+:meth:`~_TreeLoop.accept` (the round's one read-back, then :func:`~hf_eagle3.core.acceptance.accept_row`, as the
+batched loop does for each row) and :meth:`~_TreeLoop.commit` (keep the accepted path in the target's
 cache, hand its features to the draft, extend the outputs).
 """
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import TreeWalk, clip_new_tokens, read_back, round_planes, walk_planes
+from .acceptance import TreeWalk, accept_row, read_back, round_planes
 from .cost_model import Stopwatch, target_costs
-from .stats import Eagle3Stats
+from .stats import Eagle3Stats, publish_stats
 from .stopping import HostStopping
 from .target_cache import decoding_cache, gather_cache, prefill, tree_attention_mask
 from .transformers_compat import eos_token_ids
@@ -38,8 +38,7 @@ class _TreeRun:
 
     def finish(self):
         """Publish the statistics on the draft (``last_stats`` / ``cumulative_stats``) and return them."""
-        self.draft._record_stats(self.stats)
-        return self.stats
+        return publish_stats(self.draft, [self.stats])
 
 
 @dataclass
@@ -221,11 +220,9 @@ class _TreeLoop:
         if self.chooser is not None:
             one.ended = self.stopwatch.mark()
         host, one.ranking = read_back(planes, one.ranking)
-        tokens = host[0]
-        walk = walk_planes(host, logits, self.do_sample, processed,
-                           process=self._process if self.processors is not None else None)
-        new_tokens = clip_new_tokens([tokens[a] for a in walk.accepted] + [walk.bonus],
-                                     self.max_length - self.input_ids.shape[1], self.eos)
+        walk, new_tokens = accept_row(host, logits, self.do_sample, processed,
+                                      self._process if self.processors is not None else None,
+                                      self.max_length - self.input_ids.shape[1], self.eos)
         return walk, new_tokens, max(host[2])
 
     def _process(self, path: list, row: torch.Tensor) -> torch.Tensor:
@@ -263,13 +260,10 @@ class _TreeLoop:
         round_seconds = watch.seconds(self.round_from if self.round_from is not None else one.started, one.ended)
         self.round_from = one.ended
         if one.drafting:
-            total = one.tree.tokens.shape[0] - 1
-            probs, frontier = one.ranking
-            chooser.update(sum(probs[:total]), accepted, watch.seconds(one.started, one.drafted_at),
-                           draft_forwards=max(1, one.levels), round_seconds=round_seconds,
-                           feed_seconds=watch.seconds(one.started, one.fed_at), fed=one.fed)
-            self.next_total = chooser.choose(probs)
-            self.next_depth = chooser.levels(frontier, self.settings["depth"])
+            self.next_total, self.next_depth = chooser.observe_tree_round(
+                one.ranking, one.tree.tokens.shape[0] - 1, accepted, watch.seconds(one.started, one.drafted_at),
+                max(1, one.levels), round_seconds, self.settings["depth"],
+                feed_seconds=watch.seconds(one.started, one.fed_at), fed=one.fed)
         elif one.depth >= 1:
             chooser.update_plain(round_seconds)
 

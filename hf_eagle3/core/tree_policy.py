@@ -134,6 +134,29 @@ class TreeSizeChooser:
             levels += 1
         return levels
 
+    def observe_tree_round(self, ranking: list, total: int, accepted: float, draft_seconds: float,
+                           draft_forwards: int, round_seconds: float, most: int, feed_seconds: float = 0.0,
+                           fed: int = 1) -> tuple[int, int]:
+        """
+        Record a round that verified a tree and size the next one from its candidates (both loops, after the round's
+        read-back).
+
+        Args:
+            ranking (`list`): the read-back ``Eagle3TreeDrafter.candidate_ranking``: sorted path probabilities, then
+                frontier masses per level.
+            total (`int`): drafted nodes of the round's tree (per row).
+            accepted (`float`): drafted tokens accepted (per row).
+            draft_seconds, draft_forwards, round_seconds, feed_seconds, fed: as :meth:`update` takes them.
+            most (`int`): ``tree_depth``.
+
+        Returns:
+            ``(nodes, levels)`` of the next round's tree.
+        """
+        probs, frontier = ranking
+        self.update(sum(probs[:total]), accepted, draft_seconds, draft_forwards=draft_forwards,
+                    round_seconds=round_seconds, feed_seconds=feed_seconds, fed=fed)
+        return self.choose(probs), self.levels(frontier, most)
+
     def update(self, predicted: float, accepted: int, draft_seconds: float, draft_forwards: int = 1,
                round_seconds: float | None = None, feed_seconds: float = 0.0, fed: int = 1) -> None:
         """
