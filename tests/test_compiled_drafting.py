@@ -79,6 +79,7 @@ def scripted_auto(monkeypatch):
     monkeypatch.setattr(draft_length_policy.Eagle3DraftLengthPolicy, "choose", script([3, 0, 4, 1, 2]))
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", script([5, 8, 2, 7]))
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: True)
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "levels", lambda self, frontier, most: most)
 
 
 def run(target, draft, ids, config, proposals, **kwargs):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import itertools
 
 import pytest
 import torch
@@ -470,3 +471,25 @@ def test_auto_sizes_each_round_from_the_previous_rounds_candidates(monkeypatch):
     assert len(sizes) >= 5 and sizes[1:] == chosen[: len(sizes) - 1]
     assert min(sizes[1:]) < sizes[0]
     assert levels[0] == 5 and all(1 <= d <= min(5, n) for d, n in zip(levels, sizes)) and min(levels[1:]) < 5
+
+
+def test_auto_trees_grow_back_after_a_small_one(monkeypatch):
+    """A round of one node still drafts top_k-wide candidates, so the next round can keep more: sizes 1, then 8."""
+    target = target_of("llama")
+    ids = prompt(9, seed=13)
+    script = itertools.cycle([1, 8])
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", lambda self, probs: next(script))
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: True)
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "levels", lambda self, frontier, most: most)
+    nodes = []
+    select = tree_drafter.Eagle3TreeDrafter.select
+
+    def recording(self, candidates, root_token, total_tokens):
+        tree = select(self, candidates, root_token, total_tokens)
+        nodes.append(tree.tokens.shape[0] - 1)
+        return tree
+
+    monkeypatch.setattr(tree_drafter.Eagle3TreeDrafter, "select", recording)
+    out = greedy(target, ids, max_new_tokens=24, assistant_model=tiny_draft(target, seed=14), **tree(3, 4, "auto"))
+    assert torch.equal(out, greedy(target, ids, max_new_tokens=24))
+    assert nodes[:5] == [16, 1, 8, 1, 8]

@@ -169,9 +169,10 @@ class _TreeLoop:
         drafter.feed()
         one.fed_at = mark()
         top_k, total = self.settings["top_k"], self.settings["total_tokens"]
-        if chooser is not None:
+        if chooser is not None:  # the candidates stay top_k wide, so that the next round's tree may grow
             total, depth = self.next_total, min(depth, self.next_depth)
-        top_k, depth = min(top_k, total), min(depth, total)  # deeper or wider nodes could never be kept
+        else:
+            top_k, depth = min(top_k, total), min(depth, total)  # deeper or wider nodes could never be kept
         candidates = drafter.expand(depth, top_k)
         one.levels = candidates[4]
         one.tree = drafter.select(candidates, self.input_ids[0, -1:], total)
