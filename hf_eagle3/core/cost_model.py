@@ -319,7 +319,7 @@ def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = Fa
     param = next(target.parameters())
     key = (str(param.device), str(param.dtype), input_ids.shape[0], str(draft.fc.weight.dtype),
            tuple(draft.fc.weight.shape), tuple(draft.lm_head.weight.shape) if hasattr(draft, "lm_head") else None,
-           repr(draft.step_call(chain_step) is not chain_step and draft.generation_config.compile_config))
+           draft.step_call(chain_step))  # the step the rounds run: one object per compile config, or eager
     known = _COSTS.setdefault(target, {})
     if key not in known or refresh:
         target_seconds = target_costs(target, input_ids, refresh=refresh)

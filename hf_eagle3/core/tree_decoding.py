@@ -26,7 +26,7 @@ from .stopping import HostStopping
 from .target_cache import decoding_cache, gather_cache, prefill, tree_attention_mask
 from .transformers_compat import eos_token_ids
 from .tree_drafter import DraftTree, Eagle3TreeDrafter
-from .tree_policy import AUTO_FIRST, AUTO_MAX_NODES, AUTO_SIZES, TreeSizeChooser, auto_most_nodes
+from .tree_policy import AUTO_FIRST, AUTO_SIZES, TreeSizeChooser, auto_most_nodes
 
 
 class _TreeRun:
@@ -114,6 +114,8 @@ class _TreeLoop:
         position_ids = model_kwargs.get("position_ids")
         self.position_offset = 0 if position_ids is None else int(position_ids[0, -1]) - (input_ids.shape[1] - 1)
         self.chooser = self.stopwatch = None  # tree_total_tokens="auto" (see start_auto)
+        self.next_total = self.next_depth = None  # "auto": the next round's nodes and levels
+        self.round_from = None  # "auto": where the next round's timeline starts (the previous round's end mark)
         self.stopping_criteria, self.host_stopping = stopping_criteria, HostStopping.of(stopping_criteria)
         self.last_token = None  # the sequence's last token, on the host (set by the prefill and every commit)
 
@@ -134,8 +136,8 @@ class _TreeLoop:
 
     def prefill(self) -> None:
         """The target's forward over the prompt: the first token, and the prompt's features for the draft."""
-        total = self.settings["total_tokens"]
-        nodes = AUTO_MAX_NODES if total == "auto" else total  # the most drafted nodes a round verifies
+        total = self.settings["total_tokens"]  # the most drafted nodes a round verifies:
+        nodes = auto_most_nodes(self.settings["depth"], self.settings["top_k"]) if total == "auto" else total
         last = prefill(self.model, self.input_ids, self.model_kwargs, self.cache, self.max_length + nodes + 1)
         self.cache.crop(0)  # sliding layers back to their window
         token, processed = self._pick(self.input_ids, last)
@@ -153,7 +155,6 @@ class _TreeLoop:
         self.stopwatch = Stopwatch(self.device)
         self.next_total = min(AUTO_FIRST, auto_most_nodes(self.settings["depth"], self.settings["top_k"]))
         self.next_depth = self.settings["depth"]
-        self.round_from = None  # where the timeline of the next round starts (the previous round's end)
 
     def draft_round(self) -> _Round:
         """Feed the draft the verified positions and draft this round's tree (the root alone when not drafting).
