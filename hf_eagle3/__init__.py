@@ -3,7 +3,7 @@
 Importing the package registers :class:`Eagle3Config` / :class:`Eagle3DraftModel` with ``AutoConfig`` /
 ``AutoModel`` and hooks ``generate`` so that ``target.generate(ids, assistant_model=draft)`` runs EAGLE-3 decoding
 whenever ``draft`` is an EAGLE-3 draft (with dynamic draft trees when ``tree_top_k`` / ``tree_depth`` /
-``tree_total_tokens`` are given, see :mod:`hf_eagle3.core.tree_decoding`). The hook itself lives in
+``tree_total_tokens`` are given, see :mod:`hf_eagle3.core.decoding_loop`). The hook itself lives in
 :mod:`hf_eagle3.core.generate_hook`.
 """
 
@@ -18,7 +18,7 @@ from .core.generate_hook import install_generate_hook, is_eagle3_draft
 from .core.logits_process import Eagle3D2TLogitsProcessor
 from .core.modeling_eagle3 import Eagle3DraftModel
 from .core.stats import Eagle3Stats
-from .core.tree_drafter import DraftTree, Eagle3TreeDrafter
+from .core.tree_drafter import DraftTree
 
 __version__ = "0.1.0"
 
@@ -37,7 +37,6 @@ __all__ = [
     "Eagle3KVCache",
     "Eagle3RowCache",
     "Eagle3Stats",
-    "Eagle3TreeDrafter",
     "find_decoder_layers",
     "install_generate_hook",
     "is_eagle3_draft",

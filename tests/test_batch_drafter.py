@@ -1,9 +1,10 @@
-"""The batch drafter drafts, for every row at once, what the one-sequence tree drafter drafts for that row alone.
+"""The batch drafter drafts, for every row at once, what each row gets drafted alone.
 
 Rows of different lengths are fed ragged blocks (each row's positions at its own columns of the row cache), rounds
 that draft nothing leave their blocks pending (merged at the next feed), and rows leave the batch; at every round
-each row's tree (tokens, parents, depths, ancestors) equals the one :class:`Eagle3TreeDrafter` builds for that row,
-and every tree is closed under parents. Sliding-window drafts and drafts with a smaller vocabulary are included.
+each row's tree (tokens, parents, depths, ancestors) equals the one a sequential reference builds for that row alone
+(the chain's draft state: the draft's own cache, causal feeds, a 2D tree mask per level), and every tree is closed
+under parents. Sliding-window drafts and drafts with a smaller vocabulary are included.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import torch
 from conftest import cached_target, tiny_draft
 
 from hf_eagle3.core.batch_drafter import Eagle3BatchTreeDrafter
-from hf_eagle3.core.tree_drafter import Eagle3TreeDrafter
+from hf_eagle3.core.draft_state import Eagle3DraftState
+from hf_eagle3.core.logits_process import Eagle3D2TLogitsProcessor
+from hf_eagle3.core.tree_drafter import grow_candidates, select_trees
 
 
 def decisive_draft(**overrides):
@@ -25,6 +28,31 @@ def decisive_draft(**overrides):
         draft.lm_head.weight.mul_(40.0)
         draft.fc.weight.mul_(4.0)
     return draft
+
+
+class Alone:
+    """One row drafted alone, the reference: the chain's draft state feeds it causally on the draft's own cache, and
+    each tree level attends over the fed positions, its ancestors and itself (a 2D mask)."""
+
+    def __init__(self, draft):
+        self.draft, self.state = draft, Eagle3DraftState(draft)
+        self.d2t = Eagle3D2TLogitsProcessor(draft.d2t, draft.config.vocab_size)
+
+    def tree(self, depth, top_k, total, root):
+        out = self.state.feed()
+        real = self.state.fed
+
+        def step(ids, hidden, level, ancestors):
+            k = ids.shape[1]
+            mask = torch.cat([torch.ones(k, real, dtype=torch.bool), ancestors[0], torch.eye(k, dtype=torch.bool)], -1)
+            return self.draft(input_ids=self.d2t.map_tokens(ids), hidden_states=hidden.contiguous(),
+                              position_ids=torch.full((1, k), real - 1 + level), cache=self.state.cache,
+                              attention_mask=mask)
+
+        candidates = grow_candidates(out.logits[:, -1], out.hidden_states[:, -1:], depth, top_k, step)
+        tree = select_trees(candidates, root.view(1), total, self.d2t)[0]
+        self.state.crop()  # the tree's entries go
+        return tree
 
 
 def assert_closed(tree):
@@ -65,7 +93,7 @@ def test_batch_trees_equal_each_row_drafted_alone(shape, overrides):
     width = 3 * draft.config.target_hidden_size
     g = torch.Generator().manual_seed(0)
     rows = 4
-    alone = [Eagle3TreeDrafter(draft) for _ in range(rows)]
+    alone = [Alone(draft) for _ in range(rows)]
     batch = Eagle3BatchTreeDrafter(draft, rows, capacity=8)  # small: the row cache must grow
     live = list(range(rows))  # which of the original rows the batch still holds, in its order
     feeds = [[9, 3, 14, 1], [2, 5, 1, 4], [1, 1, 3, 2], [5, 2, 2, 1], [3, 1, 4, 2], [2, 2, 1, 3]]
@@ -76,20 +104,17 @@ def test_batch_trees_equal_each_row_drafted_alone(shape, overrides):
             alone[r].state.add(f[None], t)
         batch.add(*padded(blocks))
         if step == 2:  # a round that drafts nothing: the blocks wait and are merged with the next
-            assert batch.round_trees(0, top_k, total, torch.zeros(len(live), dtype=torch.long))[0].max_depth == 0
             continue
         if step == 4:  # the second row finishes and leaves the batch
             keep = [i for i, r in enumerate(live) if r != 1]
             batch.keep_rows(keep)
             live = [live[i] for i in keep]
         roots = torch.randint(0, 256, (len(live),), generator=g)
-        trees = batch.round_trees(depth, top_k, total, roots)
+        batch.feed()
+        trees = batch.select(batch.expand(depth, top_k), roots, total)
         for r, tree, root in zip(live, trees, roots):
-            drafter = alone[r]
-            drafter.feed()
-            expected = drafter.select(drafter.expand(depth, top_k), root.view(1), total)
-            assert_same_tree(tree, expected)
-        assert batch.fed == [alone[r].fed for r in live]
+            assert_same_tree(tree, alone[r].tree(depth, top_k, total, root))
+        assert batch.fed == [alone[r].state.fed for r in live]
 
 
 def test_row_cache_refuses_another_window_and_a_forward_without_placement():

@@ -29,7 +29,7 @@ from conftest import cached_target as target_of
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from hf_eagle3 import Eagle3BatchTreeDrafter
-from hf_eagle3.core import batched_decoding, draft_length_policy, generate_hook
+from hf_eagle3.core import decoding_loop, draft_length_policy, generate_hook
 from hf_eagle3.core.generate_hook import _ACTIVE, use_drafting
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
@@ -115,7 +115,7 @@ def oracle_generate(target, draft, ids, mask, ref, **kwargs):
     """Batched EAGLE-3 with :class:`OracleDrafter` reading the rows of ``ref`` (plain batched output)."""
     OracleDrafter.references = [[t for t, m in zip(row, mk) if m] + row[len(mk):]
                                 for row, mk in zip(ref.tolist(), mask.tolist())]
-    with use_drafting(batch=OracleDrafter):
+    with use_drafting(drafter=OracleDrafter):
         return target.generate(ids, attention_mask=mask, assistant_model=draft, do_sample=False, **kwargs)
 
 
@@ -194,8 +194,8 @@ def test_tree_auto_sizes_every_round_and_stays_exact(arch, monkeypatch):
                           **settings)  # also times the target's forwards at this batch size, once
     assert torch.equal(out, ref)
     rounds = []  # nodes per row of each round's verify forward
-    original = batched_decoding.batch_tree_mask
-    monkeypatch.setattr(batched_decoding, "batch_tree_mask",
+    original = decoding_loop.batch_tree_mask
+    monkeypatch.setattr(decoding_loop, "batch_tree_mask",
                         lambda cache, valid, trees, nodes, dtype: rounds.append(nodes) or original(cache, valid, trees,
                                                                                                  nodes, dtype))
     out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, assistant_model=draft,
@@ -218,8 +218,8 @@ def test_sliding_window_target_compacts_before_the_window(monkeypatch):
     """With a window just above max_length + a round, holes alone would push entries out of it: the loop compacts
     first, and every row stays exact."""
     calls = []
-    original = batched_decoding.compact
-    monkeypatch.setattr(batched_decoding, "compact", lambda cache, valid: calls.append(1) or original(cache, valid))
+    original = decoding_loop.compact
+    monkeypatch.setattr(decoding_loop, "compact", lambda cache, valid: calls.append(1) or original(cache, valid))
     config = batch_target("gemma3").config
     target = AutoModelForCausalLM.from_config(Gemma3TextConfig(**{**config.to_dict(), "sliding_window": 48})).eval()
     target.load_state_dict(batch_target("gemma3").state_dict())
@@ -232,10 +232,10 @@ def test_sliding_window_target_compacts_before_the_window(monkeypatch):
 
 
 def test_compaction_keeps_rows_exact(monkeypatch):
-    monkeypatch.setattr(batched_decoding, "COMPACT_SLACK", -1000)  # compact every round
+    monkeypatch.setattr(decoding_loop, "COMPACT_SLACK", -1000)  # compact every round
     calls = []
-    original = batched_decoding.compact
-    monkeypatch.setattr(batched_decoding, "compact", lambda cache, valid: calls.append(1) or original(cache, valid))
+    original = decoding_loop.compact
+    monkeypatch.setattr(decoding_loop, "compact", lambda cache, valid: calls.append(1) or original(cache, valid))
     target, draft = batch_target("llama"), draft_of("llama")
     ids, mask = padded_batch((4, 13, 8), seed=8)
     ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
@@ -288,16 +288,19 @@ def test_processors_scores_and_dict_output():
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_batch_of_one_keeps_the_batch_one_path(monkeypatch):
-    """Batch 1 never enters the batched loop (Transformers' assisted loop for chains, the tree loop for trees)."""
-    monkeypatch.setattr(generate_hook, "eagle3_batched_decoding", lambda *a, **k: pytest.fail("batched loop"))
+def test_batch_of_one_chains_run_in_transformers_loop_and_trees_in_the_package_loop(monkeypatch):
+    """Batch-1 chains run Transformers' assisted loop; batch-1 trees run the package's loop, as batches do."""
+    entered = []
+    loop = generate_hook.eagle3_decoding
+    monkeypatch.setattr(generate_hook, "eagle3_decoding", lambda *a, **k: entered.append(1) or loop(*a, **k))
     target, draft = batch_target("llama"), draft_of("llama")
     ids, mask = padded_batch((6,), seed=1)
-    for settings in (CHAIN, TREE):
-        ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+    for settings, runs_ours in ((CHAIN, False), (TREE, True)):
+        entered.clear()
         out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, assistant_model=draft,
                               **settings)
-        assert torch.equal(out, ref)
+        assert torch.equal(out, ref) and bool(entered) == runs_ours
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -314,17 +317,6 @@ def test_right_padding_is_refused():
     ids, mask = padded_batch((3, 6), seed=2)
     with pytest.raises(ValueError, match="left"):
         target.generate(ids.flip(-1), attention_mask=mask.flip(-1), assistant_model=draft, max_new_tokens=4)
-    assert no_hooks_left(target)
-
-
-def test_one_sequence_tree_drafter_in_a_batch_is_refused():
-    """``use_drafting(tree=...)`` swaps the batch-1 drafter; a batched call inside it must say to pass ``batch=``."""
-    from hf_eagle3 import Eagle3TreeDrafter
-
-    target, draft = batch_target("llama"), draft_of("llama")
-    ids, mask = padded_batch((3, 6), seed=2)
-    with pytest.raises(ValueError, match="batch="), use_drafting(tree=Eagle3TreeDrafter):
-        target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=4, **TREE)
     assert no_hooks_left(target)
 
 

@@ -19,12 +19,12 @@ from conftest import random_prompt, tiny_draft, tiny_target
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
-from hf_eagle3.core import batch_drafter, candidate_generator, draft_length_policy, tree_drafter, tree_policy
-from hf_eagle3.core.draft_steps import batch_tree_level, chain_step, tree_level
+from hf_eagle3.core import batch_drafter, candidate_generator, draft_length_policy, tree_policy
+from hf_eagle3.core.draft_steps import batch_tree_level, chain_step
 from hf_eagle3.core.modeling_eagle3 import Eagle3DraftModel, check_step_compile
 
 CAPTURE = CompileConfig(backend="aot_eager", mode=None, fullgraph=True)  # fullgraph: a graph break fails the test
-EAGER_STEPS = (chain_step, tree_level, batch_tree_level)
+EAGER_STEPS = (chain_step, batch_tree_level)
 PATHS = {
     "chain": dict(num_assistant_tokens=4, num_assistant_tokens_schedule="constant"),
     "chain auto": dict(num_assistant_tokens=4, num_assistant_tokens_schedule="auto"),
@@ -57,8 +57,7 @@ def proposals(monkeypatch):
         monkeypatch.setattr(owner, name, wrapped)
 
     record(candidate_generator.Eagle3CandidateGenerator, "get_candidates", lambda r: r[0].tolist())
-    record(tree_drafter.Eagle3TreeDrafter, "select", lambda t: (t.tokens.tolist(), t.parents.tolist()))
-    record(batch_drafter.Eagle3BatchTreeDrafter, "round_trees",
+    record(batch_drafter.Eagle3BatchTreeDrafter, "select",
            lambda trees: [(t.tokens.tolist(), t.parents.tolist()) for t in trees])
     record(Eagle3DraftModel, "step_call", lambda step: ("step", step in EAGER_STEPS))
     return seen

@@ -50,9 +50,9 @@ def test_deferred_feed_equals_one_forward():
 
 def test_collect_keeps_the_verified_entries_only():
     state, _, features, tokens = state_and_inputs()
-    state.collect(FakeCapture(features), tokens[:3], keep=torch.tensor([0, 2, 5]))
+    state.collect(FakeCapture(features), tokens[:3])  # the forward's first 3 entries are verified
     kept, kept_tokens = state.pending()
-    assert torch.equal(kept, features[:, [0, 2, 5]]) and torch.equal(kept_tokens, tokens[:3])
+    assert torch.equal(kept, features[:, :3]) and torch.equal(kept_tokens, tokens[:3])
     state.collect(FakeCapture(features), tokens[:0])  # nothing verified: nothing pending
     assert state.num_pending == 3
 

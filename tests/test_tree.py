@@ -32,9 +32,8 @@ from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
 
 import hf_eagle3.core.target_cache as target_cache
-import hf_eagle3.core.tree_drafter as tree_drafter
 import hf_eagle3.core.tree_policy as tree_policy
-from hf_eagle3.core import cost_model, draft_length_policy
+from hf_eagle3.core import batch_drafter, cost_model, draft_length_policy
 from hf_eagle3.core.draft_state import Eagle3DraftState
 from hf_eagle3.core.generate_hook import _ACTIVE
 
@@ -74,26 +73,40 @@ def test_greedy_identity_random_draft(arch):
 def oracle(draft, reference: list[int], second_every: int = 2):
     """Make ``draft`` propose ``reference[q + 2]`` after a node at draft position q whose token is ``reference[q + 1]``
     (the target's own greedy continuation), as its best child, or as its second best at every ``second_every``-th
-    position (then a fixed decoy ranks first). Other nodes get random scores."""
-    forward = draft.forward
+    position (then a fixed decoy ranks first). Other nodes get random scores. A feed's root scores (computed by the
+    drafter from the last fed position's output) get the same treatment."""
+    forward, compute_logits = draft.forward, draft.compute_logits
     vocab = draft.config.draft_vocab_size
+    fed = []  # the last feed's final (position, token), for the root's scores
 
-    def oracle_forward(input_ids=None, position_ids=None, **kwargs):
-        out = forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
-        if out.logits is None:
-            return out
-        m = out.logits.shape[1]
-        gen = torch.Generator().manual_seed(int(position_ids[0, -1]))
-        logits = torch.randn(1, m, vocab, generator=gen)
-        for row, (q, t) in enumerate(zip(position_ids[0, -m:].tolist(), input_ids[0, -m:].tolist())):
+    def scores(positions: list, tokens: list, dtype) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(int(positions[-1]))
+        logits = torch.randn(1, len(positions), vocab, generator=gen)
+        for row, (q, t) in enumerate(zip(positions, tokens)):
             if q + 2 < len(reference) and t == reference[q + 1]:
                 logits[0, row, reference[q + 2]] = 20.0
                 if q % second_every == 0:
                     logits[0, row, (reference[q + 2] + 7) % vocab] = 21.0
-        out.logits = logits.to(out.logits.dtype)
+        return logits.to(dtype)
+
+    def oracle_forward(input_ids=None, position_ids=None, logits_to_keep=0, **kwargs):
+        out = forward(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep, **kwargs)
+        if out.logits is None:  # a feed: the drafter computes the root's scores next
+            fed[:] = [(int(position_ids[0, -1]), int(input_ids[0, -1]))]
+            return out
+        m = out.logits.shape[1]
+        out.logits = scores(position_ids[0, -m:].tolist(), input_ids[0, -m:].tolist(), out.logits.dtype)
         return out
 
-    draft.forward = oracle_forward
+    def oracle_compute_logits(hidden_states):
+        logits = compute_logits(hidden_states)
+        if not fed:
+            return logits
+        (q, t), = fed
+        fed.clear()
+        return scores([q], [t], logits.dtype)
+
+    draft.forward, draft.compute_logits = oracle_forward, oracle_compute_logits
     return draft
 
 
@@ -119,13 +132,20 @@ def test_tree_expansion_matches_sequential_draft_steps():
     target = target_of("llama")
     draft = tiny_draft(target, 48, seed=4)
     draft.bind_target(target)
-    drafter = tree_drafter.Eagle3TreeDrafter(draft)
+    drafter = batch_drafter.Eagle3BatchTreeDrafter(draft, 1, 64)
+    sequential = Eagle3DraftState(draft)  # the reference: the draft's own cache, causal steps
     torch.manual_seed(0)
+    features, tokens = torch.randn(1, 7, 3 * 64), prompt(7)
     with torch.no_grad():
-        drafter.feed(torch.randn(1, 7, 3 * 64), prompt(7)[0])
-        real = drafter.fed
-        nodes = {0: (drafter._hidden, torch.log_softmax(drafter._logits[0].float(), -1), copy.deepcopy(drafter.cache))}
-        scores, ids, parents, depths, levels = drafter.expand(3, 3)
+        drafter.add(features, tokens, [7])
+        drafter.feed()
+        sequential.add(features, tokens[0])
+        fed = sequential.feed()
+        real = drafter.fed[0]
+        torch.testing.assert_close(drafter._hidden, fed.hidden_states[:, -1:], atol=1e-5, rtol=1e-5)
+        nodes = {0: (fed.hidden_states[:, -1:], torch.log_softmax(fed.logits[0, -1].float(), -1), sequential.cache)}
+        scores, ids, parents, depths, levels = (value[0] if i < 3 else value
+                                                for i, value in enumerate(drafter.expand(3, 3)))
         assert levels == 3 and scores.shape[0] == 3 + 2 * 9
         assert drafter.cache.get_seq_length() == real + 2 * 3  # tree entries, dropped at the next feed
         total = {0: 0.0}
@@ -139,7 +159,8 @@ def test_tree_expansion_matches_sequential_draft_steps():
                 out = draft(input_ids=drafter.d2t.map_tokens(ids[c : c + 1])[None], hidden_states=hidden,
                             position_ids=torch.tensor([[real - 1 + int(depths[c])]]), cache=cache)
                 nodes[c + 1] = (out.hidden_states[:, -1:], torch.log_softmax(out.logits[0, -1].float(), -1), cache)
-        drafter.feed(torch.randn(1, 2, 3 * 64), prompt(2)[0])
+        drafter.add(torch.randn(1, 2, 3 * 64), prompt(2), [2])
+        drafter.feed()
         assert drafter.cache.get_seq_length() == real + 2
 
 
@@ -168,7 +189,7 @@ def test_left_padded_prompt(arch):
     mask[:, :3] = 0
     kwargs = dict(attention_mask=mask, max_new_tokens=20, return_dict_in_generate=True, output_logits=True)
     ref = greedy(target, ids, **kwargs)
-    draft = oracle(tiny_draft(target, seed=3), ref.sequences[0].tolist())
+    draft = oracle(tiny_draft(target, seed=3), ref.sequences[0, 3:].tolist())  # the draft's positions: real tokens
     out = greedy(target, ids, assistant_model=draft, **kwargs, **tree(2, 4, 8))
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.logits, ref.logits):  # the logits too: a mask that let pads through would move them
@@ -247,8 +268,9 @@ def test_auto_tree_rounds_without_a_tree_stay_lossless(arch, monkeypatch):
     pattern = iter([True, False, False, True, False, True, True, False, False, False] * 5)
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: next(pattern))
     fed = []
-    original_feed = Eagle3DraftState.feed
-    monkeypatch.setattr(Eagle3DraftState, "feed", lambda self: fed.append(self.pending()) or original_feed(self))
+    original_feed = batch_drafter.Eagle3BatchTreeDrafter.feed
+    monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "feed",
+                        lambda self: fed.append(self._merged()[:2]) or original_feed(self))
     out = greedy(target, ids, max_new_tokens=24, assistant_model=draft, tree_top_k=3, tree_depth=4,
                  tree_total_tokens="auto")
     assert torch.equal(out, ref)
@@ -262,7 +284,7 @@ def test_auto_tree_rounds_without_a_tree_stay_lossless(arch, monkeypatch):
     from hf_eagle3 import find_decoder_layers
 
     features = torch.cat([f for f, _ in fed], dim=1)
-    tokens = torch.cat([t for _, t in fed])
+    tokens = torch.cat([t[0] for _, t in fed])
     n = features.shape[1]
     assert len(fed) < stats.num_target_forwards and n == tokens.shape[0]
     assert torch.equal(tokens, out[0, 1 : n + 1])
@@ -446,24 +468,24 @@ def test_auto_sizes_each_round_from_the_previous_rounds_candidates(monkeypatch):
     ids = prompt(9, seed=11)
     ref = greedy(target, ids, max_new_tokens=24)
     sizes, chosen, levels = [], [], []
-    select, choose = tree_drafter.Eagle3TreeDrafter.select, tree_policy.TreeSizeChooser.choose
-    expand = tree_drafter.Eagle3TreeDrafter.expand
+    select, choose = batch_drafter.Eagle3BatchTreeDrafter.select, tree_policy.TreeSizeChooser.choose
+    expand = batch_drafter.Eagle3BatchTreeDrafter.expand
 
     def recording_expand(self, depth, top_k):
         levels.append(depth)
         return expand(self, depth, top_k)
 
-    def recording_select(self, candidates, root_token, total_tokens):
-        sizes.append(total_tokens)
-        return select(self, candidates, root_token, total_tokens)
+    def recording_select(self, candidates, roots, total):
+        sizes.append(total)
+        return select(self, candidates, roots, total)
 
     def recording_choose(self, path_probs):
         assert isinstance(path_probs, list) and path_probs == sorted(path_probs, reverse=True)
         chosen.append(choose(self, path_probs))
         return chosen[-1]
 
-    monkeypatch.setattr(tree_drafter.Eagle3TreeDrafter, "select", recording_select)
-    monkeypatch.setattr(tree_drafter.Eagle3TreeDrafter, "expand", recording_expand)
+    monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "select", recording_select)
+    monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "expand", recording_expand)
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", recording_choose)
     out = greedy(target, ids, max_new_tokens=24, assistant_model=tiny_draft(target, seed=12), **tree(3, 5, "auto"))
     assert torch.equal(out, ref)
@@ -482,14 +504,14 @@ def test_auto_trees_grow_back_after_a_small_one(monkeypatch):
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: True)
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "levels", lambda self, frontier, most: most)
     nodes = []
-    select = tree_drafter.Eagle3TreeDrafter.select
+    select = batch_drafter.Eagle3BatchTreeDrafter.select
 
-    def recording(self, candidates, root_token, total_tokens):
-        tree = select(self, candidates, root_token, total_tokens)
-        nodes.append(tree.tokens.shape[0] - 1)
-        return tree
+    def recording(self, candidates, roots, total):
+        trees = select(self, candidates, roots, total)
+        nodes.append(trees[0].tokens.shape[0] - 1)
+        return trees
 
-    monkeypatch.setattr(tree_drafter.Eagle3TreeDrafter, "select", recording)
+    monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "select", recording)
     out = greedy(target, ids, max_new_tokens=24, assistant_model=tiny_draft(target, seed=14), **tree(3, 4, "auto"))
     assert torch.equal(out, greedy(target, ids, max_new_tokens=24))
     assert nodes[:5] == [16, 1, 8, 1, 8]

@@ -200,7 +200,7 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
                     super().__init__(*a, **kw)
                     created.append(self)
 
-            install = {"chain": Recording} if shape is None else {"tree": Recording}
+            install = {"chain": Recording} if shape is None else {"drafter": Recording}
             with use_drafting(**install), _ForwardTimer(target) as timer:
                 draft.reset_stats()
                 synchronize(target)

@@ -12,9 +12,9 @@ import time
 
 import torch
 
+from hf_eagle3.core.batch_drafter import Eagle3BatchTreeDrafter
 from hf_eagle3.core.candidate_generator import Eagle3CandidateGenerator
 from hf_eagle3.core.cost_model import synchronize
-from hf_eagle3.core.tree_drafter import Eagle3TreeDrafter
 
 PROFILES = {
     # Per-position acceptance of Llama-3.1-8B-Instruct with the EAGLE-3 authors' draft (chain, MT-bench; seed PR).
@@ -109,13 +109,13 @@ class OracleCandidateGenerator(Eagle3CandidateGenerator):
         return token, processed
 
 
-class OracleTreeDrafter(Eagle3TreeDrafter):
+class OracleTreeDrafter(Eagle3BatchTreeDrafter):
     """
-    :class:`~hf_eagle3.core.tree_drafter.Eagle3TreeDrafter` whose trees carry the target's greedy continuation along one
-    path (to the tree's first deepest node), right for a depth drawn each round from ``profile``; every other node is
-    wrong.
-    So a tree accepts what a chain with the same profile accepts, at the tree's own cost (its drafting and its
-    verification of every node): the rows show what the tree machinery costs, not what a real tree gains.
+    :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter` whose trees carry the target's greedy continuation
+    along one path (to the tree's first deepest node), right for a depth drawn each round from ``profile``; every
+    other node is wrong. So a tree accepts what a chain with the same profile accepts, at the tree's own cost (its
+    drafting and its verification of every node): the rows show what the tree machinery costs, not what a real tree
+    gains. One sequence (the bench's prompts run one at a time).
 
     Class attributes ``reference``, ``profile`` and ``rng`` are set by :func:`bind_oracle`.
     """
@@ -124,8 +124,10 @@ class OracleTreeDrafter(Eagle3TreeDrafter):
     profile: tuple = ()
     rng: random.Random = random.Random(0)
 
-    def __init__(self, draft):
-        super().__init__(draft)
+    def __init__(self, draft, rows, capacity):
+        if rows != 1:
+            raise ValueError(f"The oracle drafts one sequence (its reference); got a batch of {rows}.")
+        super().__init__(draft, rows, capacity)
         self.draft_seconds = 0.0
         self.tree_depths = []  # depth of each round's tree (its shape follows the draft's scores)
 
@@ -136,20 +138,20 @@ class OracleTreeDrafter(Eagle3TreeDrafter):
         self.draft_seconds += time.perf_counter() - start
         return out
 
-    def feed(self, features=None, tokens=None):
+    def feed(self):
         """Feed as usual (timed)."""
-        return self._timed(super().feed, features, tokens)
+        return self._timed(super().feed)
 
     def expand(self, depth, top_k):
         """Expand as usual (timed)."""
         return self._timed(super().expand, depth, top_k)
 
-    def select(self, candidates, root_token, total_tokens):
+    def select(self, candidates, roots, total):
         """Select as usual, then write the oracle's tokens into the tree (timed)."""
-        return self._timed(self._oracle_select, candidates, root_token, total_tokens)
+        return self._timed(self._oracle_select, candidates, roots, total)
 
-    def _oracle_select(self, candidates, root_token, total_tokens):
-        tree = super().select(candidates, root_token, total_tokens)
+    def _oracle_select(self, candidates, roots, total):
+        tree = super().select(candidates, roots, total)[0]
         self.tree_depths.append(int(tree.max_depth))
         accept = draw_acceptance(self.rng, self.profile)
         parents, depths = tree.parents.tolist(), tree.depths.tolist()
@@ -160,13 +162,14 @@ class OracleTreeDrafter(Eagle3TreeDrafter):
             main.add(node)
             node = parents[node]
         for i in range(1, len(tokens)):
-            position = self.fed + depths[i]  # the root is the last token, at position ``fed``
+            position = self.fed[0] + depths[i]  # the root is the last token, at position ``fed``
             right = self.reference[position] if position < len(self.reference) else tokens[i]
             if i in main:
                 tokens[i] = right if depths[i] <= accept else (right + 1) % vocab
             else:
                 tokens[i] = (right + 1 + i) % vocab
-        return dataclasses.replace(tree, tokens=torch.tensor(tokens, dtype=tree.tokens.dtype, device=tree.tokens.device))
+        tokens = torch.tensor(tokens, dtype=tree.tokens.dtype, device=tree.tokens.device)
+        return [dataclasses.replace(tree, tokens=tokens)]
 
 
 def bind_oracle(oracle_class: type, reference: list, profile, seed: int = 0) -> type:

@@ -14,12 +14,12 @@ The Transformers integration
     ``stats``.
 Drafting
     ``draft_state``, ``draft_steps`` (the forwards a round repeats, compiled on request), ``candidate_generator``
-    (chains in Transformers' loop), ``tree_drafter``, ``batch_drafter``
-    (every row of a batch at once), ``logits_process`` (draft vocabulary to target vocabulary).
+    (chains in Transformers' loop), ``tree_drafter`` (candidates and trees), ``batch_drafter``
+    (every row's tree, one draft forward per step), ``logits_process`` (draft vocabulary to target vocabulary).
 Verifying
     ``acceptance``, ``target_cache``, ``stopping`` (stop checks on the host).
 The loops
-    ``tree_decoding`` (trees, batch 1), ``batched_decoding`` (batches, chains and trees).
+    ``decoding_loop`` (trees at every batch size, chains in batches; batch-1 chains run in Transformers' loop).
 How much to draft
     ``cost_model`` (measured round costs), ``draft_length_policy`` (``"auto"`` for chains), ``tree_policy``
     (``"auto"`` for trees).

@@ -1,8 +1,7 @@
-"""Drafting for a batch: :class:`Eagle3BatchTreeDrafter` runs one draft forward per step for all the rows at once
-(the feed of the verified positions, then each level of the trees), with ragged rows handled on the device.
-
-It drafts what :class:`~hf_eagle3.core.tree_drafter.Eagle3TreeDrafter` drafts for each row alone (the same candidates,
-the same selection): chains are trees with one child per node.
+"""The drafting of the package's loop: :class:`Eagle3BatchTreeDrafter` runs one draft forward per step for all the
+rows at once (the feed of the verified positions, then each level of the trees), with ragged rows handled on the
+device. Each row gets the tree it would get alone (the same candidates, the same selection); a batch of one is a
+single sequence; chains are trees with one child per node.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import torch
 from .draft_cache import Eagle3RowCache
 from .draft_steps import batch_tree_level
 from .logits_process import Eagle3D2TLogitsProcessor
-from .tree_drafter import DraftTree, grow_candidates, select_trees
+from .tree_drafter import grow_candidates, select_trees
 
 
 def take_positions(values: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
@@ -60,7 +59,6 @@ class Eagle3BatchTreeDrafter:
         self._pending = []  # blocks (features [B, w, 3T], tokens [B, w], counts list[int]) not fed yet
         self._hidden = None  # [B, 1, H]: each row's output at its last fed position
         self._logits = None  # [B, draft_vocab]: the scores there
-        self.last_candidates = None  # what the last round's expand returned
 
     @property
     def rows(self) -> int:
@@ -176,26 +174,6 @@ class Eagle3BatchTreeDrafter:
             `list[DraftTree]`: one per row, each of ``min(total, M) + 1`` nodes.
         """
         return select_trees(candidates, roots, total, self.d2t)
-
-    def round_trees(self, depth: int, top_k: int, total: int, roots: torch.LongTensor) -> list:
-        """
-        Feed the pending positions and draft every row's tree (lone roots when ``depth`` < 1: the feed waits).
-
-        Args:
-            depth (`int`): levels of the trees.
-            top_k (`int`): children per expanded node.
-            total (`int`): nodes per tree besides the root.
-            roots (`torch.LongTensor` [B]): each row's last token.
-
-        Returns:
-            `list[DraftTree]`: one per row.
-        """
-        self.last_candidates = None
-        if depth < 1:
-            return [DraftTree.root_only(roots[b : b + 1]) for b in range(roots.shape[0])]
-        self.feed()
-        self.last_candidates = self.expand(depth, top_k)
-        return self.select(self.last_candidates, roots, total)
 
     def keep_rows(self, keep: list) -> None:
         """

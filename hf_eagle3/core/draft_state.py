@@ -1,4 +1,5 @@
-"""What the draft knows of the verified sequence during a ``generate`` call, shared by chain and tree drafting.
+"""What the draft knows of the verified sequence during a batch-1 chain ``generate`` call (the package's own loop keeps
+its rows in :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`).
 
 The draft consumes the target's features of every verified position, paired with the token that follows it. After
 each target forward the verified part of its features is taken from the capture (:meth:`Eagle3DraftState.collect`)
@@ -37,17 +38,14 @@ class Eagle3DraftState:
         """Verified positions not fed to the draft yet."""
         return sum(t.shape[-1] for t in self._tokens)
 
-    def collect(self, capture, tokens: torch.LongTensor, keep: torch.LongTensor | None = None,
-                end: int | None = None) -> None:
+    def collect(self, capture, tokens: torch.LongTensor, end: int | None = None) -> None:
         """
         Take the verified part of the target's last forward from ``capture`` (which is cleared) and keep it pending.
 
         Args:
             capture (`Eagle3FeatureCapture`): the hooks on the target; holds the features of its last forward.
-            tokens (`torch.LongTensor` [f]): the token that follows each verified position (``f`` of them, ``f``
-                may be 0).
-            keep (`torch.LongTensor` [f], *optional*): the verified entries among the forward's (e.g. a tree's
-                accepted path); default: its first ``f`` entries.
+            tokens (`torch.LongTensor` [f]): the token that follows each verified position (the forward's first ``f``
+                entries; ``f`` may be 0).
             end (`int`, *optional*): the position after the forward's last entry; when given, the forward must
                 start where the draft's known positions end (a check that no target forward escaped the bookkeeping).
 
@@ -67,7 +65,7 @@ class Eagle3DraftState:
         f = tokens.shape[-1]
         if f == 0:
             return
-        self.add(features[:, :f] if keep is None else features[:, keep.to(self.device)], tokens)
+        self.add(features[:, :f], tokens)
 
     def add(self, features: torch.Tensor, tokens: torch.LongTensor) -> None:
         """

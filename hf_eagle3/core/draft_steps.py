@@ -1,10 +1,10 @@
-"""The draft forwards a drafting round repeats, one function per kind: a chain's next token, a tree's next level for
-one sequence, a tree's next level for a batch.
+"""The draft forwards a drafting round repeats, one function per kind: a chain's next token, a tree's next level
+(every row of the batch in one forward).
 
 Each is ``step(draft, **forward_kwargs)`` and runs the draft; the drafters call them through
 :meth:`~hf_eagle3.core.modeling_eagle3.Eagle3DraftModel.step_call`, which compiles them when the draft's generation
 config has a ``compile_config``. They are separate functions so that each kind keeps its own compiled graphs (dynamo
-counts recompilations per function): the three differ in masks, batch sizes and the cache they write.
+counts recompilations per function): the two differ in masks, shapes and the cache they write.
 """
 
 from __future__ import annotations
@@ -20,18 +20,8 @@ def chain_step(draft, **kwargs):
     return draft(**kwargs)
 
 
-def tree_level(draft, **kwargs):
-    """One tree level of one sequence: the frontier's ``top_k`` nodes in one forward, with their tree mask.
-
-    Args:
-        draft (`Eagle3DraftModel`): the draft.
-        kwargs: :meth:`Eagle3DraftModel.forward`'s arguments.
-    """
-    return draft(**kwargs)
-
-
 def batch_tree_level(draft, **kwargs):
-    """One tree level of a batch: every row's frontier in one forward over the row cache (which holds the mask).
+    """One tree level: every row's frontier in one forward over the row cache (which holds the mask).
 
     Args:
         draft (`Eagle3DraftModel`): the draft.

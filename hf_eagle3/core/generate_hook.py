@@ -1,7 +1,7 @@
 """The one place that hooks Transformers' ``generate``: while an EAGLE-3 draft is the ``assistant_model`` of a call,
 ``generate`` installs the feature capture on the target, ``_get_candidate_generator`` returns the chain drafter
-(:class:`~hf_eagle3.core.candidate_generator.Eagle3CandidateGenerator`) and ``_assisted_decoding`` runs the tree loop
-(:func:`~hf_eagle3.core.tree_decoding.eagle3_tree_decoding`) when ``tree_*`` settings are given (see
+(:class:`~hf_eagle3.core.candidate_generator.Eagle3CandidateGenerator`) and ``_assisted_decoding`` runs the package's
+loop (:func:`~hf_eagle3.core.decoding_loop.eagle3_decoding`) for trees and for batches (see
 :func:`route_assisted_decoding`). Every other call of ``generate`` is left exactly as it was.
 
 :func:`install_generate_hook` installs the three patches (idempotent); the package's ``__init__`` calls it, and so
@@ -19,13 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from . import transformers_compat as compat
-from .batched_decoding import eagle3_batched_decoding
 from .candidate_generator import Eagle3CandidateGenerator
+from .decoding_loop import eagle3_decoding
 from .feature_capture import Eagle3FeatureCapture, Eagle3OutputFeatures, find_decoder_layers
 from .settings import DEFAULT_DRAFT_LENGTH, pop_tree_settings, resolve_draft_settings, user_draft_settings
 from .target_cache import cache_entry
-from .tree_decoding import eagle3_tree_decoding
-from .tree_drafter import Eagle3TreeDrafter
 
 HOOK_VERSION = 1
 
@@ -58,19 +56,18 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_active_call"
 
 # The drafter classes of this context (None: the defaults); set by `use_drafting`.
 _GENERATOR_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_generator_class", default=None)
-_TREE_DRAFTER_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_tree_drafter_class", default=None)
-_BATCH_DRAFTER_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_batch_drafter_class", default=None)
+_DRAFTER_CLASS: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_drafter_class", default=None)
 _FEATURE_SOURCE: contextvars.ContextVar = contextvars.ContextVar("hf_eagle3_feature_source", default=None)
 FEATURE_SOURCES = ("outputs", "hooks")
 
 
 @contextlib.contextmanager
-def use_drafting(chain=None, tree=None, features=None, batch=None):
+def use_drafting(chain=None, drafter=None, features=None):
     """
     Within the block, EAGLE-3 calls of ``generate`` draft with ``chain`` (a subclass of
-    :class:`Eagle3CandidateGenerator` taking the same arguments), ``tree`` (a subclass of
-    :class:`~hf_eagle3.core.tree_drafter.Eagle3TreeDrafter`, for one sequence) and/or ``batch`` (a subclass of
-    :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`, for batches) instead of the defaults: how
+    :class:`Eagle3CandidateGenerator` taking the same arguments, for batch-1 chains) and/or ``drafter`` (a subclass
+    of :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`, for the package's loop: trees, and chains in
+    batches) instead of the defaults: how
     benchmarks swap in instrumented drafting (e.g. ``hf-eagle3 bench --oracle``) without another code path.
     ``features="hooks"`` makes chain drafting take the target's features from forward hooks even where Transformers
     can hand them over (how the two sources are compared); ``"outputs"`` asks for the protocol and fails on releases
@@ -78,17 +75,15 @@ def use_drafting(chain=None, tree=None, features=None, batch=None):
 
     Args:
         chain (`type`, *optional*): the chain candidate generator class.
-        tree (`type`, *optional*): the tree drafter class (batch 1; a batched call inside the block raises unless
-            ``batch`` is given too).
-        batch (`type`, *optional*): the batch drafter class.
+        drafter (`type`, *optional*): the drafter class of the package's loop.
         features (`str`, *optional*): ``"outputs"`` or ``"hooks"`` (default: see :func:`chain_feature_source`).
     """
     if features is not None and features not in FEATURE_SOURCES:
         raise ValueError(f"features={features!r}: choose one of {FEATURE_SOURCES}.")
     if features == "outputs" and not compat.SELECTS_HIDDEN_STATES:
         raise ValueError(f"features='outputs' needs transformers>=5.25 (installed: {compat.transformers.__version__}).")
-    tokens = [(_GENERATOR_CLASS, _GENERATOR_CLASS.set(chain)), (_TREE_DRAFTER_CLASS, _TREE_DRAFTER_CLASS.set(tree)),
-              (_FEATURE_SOURCE, _FEATURE_SOURCE.set(features)), (_BATCH_DRAFTER_CLASS, _BATCH_DRAFTER_CLASS.set(batch))]
+    tokens = [(_GENERATOR_CLASS, _GENERATOR_CLASS.set(chain)), (_DRAFTER_CLASS, _DRAFTER_CLASS.set(drafter)),
+              (_FEATURE_SOURCE, _FEATURE_SOURCE.set(features))]
     try:
         yield
     finally:
@@ -237,9 +232,9 @@ def _eagle3_get_candidate_generator(original):
 
 def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
     """
-    Which loop runs the assisted decoding of a ``generate`` call while an EAGLE-3 call is active: the batched loop
-    (:mod:`~hf_eagle3.core.batched_decoding`, chains and trees) for more than one row, the tree loop for one row with tree
-    settings, else Transformers' own loop (batch-1 chain drafting runs there, through the candidate generator).
+    Which loop runs the assisted decoding of a ``generate`` call while an EAGLE-3 call is active: the package's loop
+    (:mod:`~hf_eagle3.core.decoding_loop`) for trees and for more than one row, else Transformers' own loop (batch-1
+    chain drafting runs there, through the candidate generator).
     Other calls run Transformers' loop unchanged.
 
     Args:
@@ -265,12 +260,7 @@ def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
             f"EAGLE-3 {'batches' if batched else 'trees'} keep only the accepted entries of the target's KV cache, "
             f"which the {len(recurrent)} recurrent / linear-attention layers of this target cannot do: {fix}."
         )
-    if not batched:
-        return eagle3_tree_decoding(model, call, **named, drafter_class=_TREE_DRAFTER_CLASS.get() or Eagle3TreeDrafter)
-    if _TREE_DRAFTER_CLASS.get() is not None and _BATCH_DRAFTER_CLASS.get() is None:
-        raise ValueError(f"use_drafting(tree={_TREE_DRAFTER_CLASS.get().__name__}) drafts one sequence at a time; this "
-                         "call has a batch: pass batch=<a subclass of Eagle3BatchTreeDrafter> as well.")
-    return eagle3_batched_decoding(model, call, **named, drafter_class=_BATCH_DRAFTER_CLASS.get())
+    return eagle3_decoding(model, call, **named, drafter_class=_DRAFTER_CLASS.get())
 
 
 LOOP_ARGUMENTS = compat.ASSISTED_DECODING_PARAMS

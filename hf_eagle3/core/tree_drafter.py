@@ -1,5 +1,6 @@
-"""EAGLE-2-style dynamic draft trees drafted with an EAGLE-3 draft: :class:`Eagle3TreeDrafter` grows candidates
-level by level and keeps the best ones as a :class:`DraftTree`.
+"""EAGLE-2-style dynamic draft trees: :func:`grow_candidates` grows every row's candidates level by level with the
+draft, :func:`select_trees` keeps the best ones as :class:`DraftTree` s, and :func:`candidate_ranking` summarises the
+candidates for ``tree_total_tokens="auto"``. :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter` runs them.
 """
 
 from __future__ import annotations
@@ -7,10 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from .draft_state import Eagle3DraftState
-from .draft_steps import tree_level
-from .logits_process import Eagle3D2TLogitsProcessor
 
 
 @dataclass
@@ -45,138 +42,6 @@ class DraftTree:
         """
         zero = torch.zeros(1, dtype=torch.long, device=root_token.device)
         return cls(root_token, zero, zero, torch.ones(1, 1, dtype=torch.bool, device=root_token.device), None, 0)
-
-
-class Eagle3TreeDrafter:
-    r"""
-    Drafts EAGLE-2-style dynamic trees with an EAGLE-3 draft.
-
-    Each round the draft first consumes the verified positions' target features (:meth:`feed`), then
-    :meth:`expand` grows candidates level by level: the ``top_k`` most likely children of each of the ``top_k``
-    frontier nodes, scored by cumulative log-probability; the next frontier is the ``top_k`` best of them. All the
-    frontier nodes of one level go through the draft in one forward, each attending over the real cache and its own
-    ancestors (tree mask, depth-based positions). :meth:`select` keeps the best ``total_tokens`` candidates, a set
-    closed under parents. The draft KV entries of the tree are dropped at the next :meth:`feed`.
-
-    Args:
-        draft (`Eagle3DraftModel`): the draft, bound to the target.
-    """
-
-    def __init__(self, draft):
-        self.draft = draft
-        self.step = draft.step_call(tree_level)  # eager, or compiled (the draft's generation config)
-        self.state = Eagle3DraftState(draft)  # the draft's cache, fed positions and pending verified positions
-        self.device = self.state.device
-        self.dtype = self.state.dtype
-        self.d2t = Eagle3D2TLogitsProcessor(draft.d2t, draft.config.vocab_size)
-        self._hidden = None  # pre-norm output at the last fed position [1, 1, H]
-        self._logits = None  # draft scores there [1, draft_vocab]
-
-    @property
-    def fed(self) -> int:
-        """Positions whose target features are in the draft cache."""
-        return self.state.fed
-
-    @property
-    def cache(self):
-        """The draft's KV cache (``Eagle3KVCache``)."""
-        return self.state.cache
-
-    def feed(self, features: torch.Tensor | None = None, tokens: torch.LongTensor | None = None) -> None:
-        """
-        Feed the draft the pending verified positions (:meth:`Eagle3DraftState.feed`, which drops the draft KV
-        entries of the previous tree first) and keep its output at the last one, the root of the next tree.
-
-        Args:
-            features (`torch.Tensor` [1, f, 3T], *optional*): target features of further verified positions, fed after
-                the pending ones (the tree loop collects them into :attr:`state` instead).
-            tokens (`torch.LongTensor` [f], *optional*): the token that follows each of those positions.
-        """
-        if features is not None:
-            self.state.add(features.to(device=self.device, dtype=self.dtype), tokens)
-        out = self.state.feed()
-        self._hidden, self._logits = out.hidden_states[:, -1:], out.logits[:, -1]
-
-    def expand(self, depth: int, top_k: int):
-        """
-        Grow the candidates of this round for ``depth`` levels (``depth - 1`` draft forwards of ``top_k`` tokens).
-
-        Args:
-            depth (`int`): levels of the tree (>= 1).
-            top_k (`int`): children per expanded node, and frontier width (capped at the draft vocabulary).
-
-        Returns:
-            ``(scores, draft_ids, parents, depths, levels)``: the first four over the candidates 1..M in level order
-            (``parents`` are candidate numbers, 0 = the root); ``levels`` the number of levels (an int).
-        """
-        self.state.crop()
-        real = self.fed
-
-        def step(ids, hidden, level, ancestors):
-            k = ids.shape[1]
-            mask = torch.cat([torch.ones(k, real, dtype=torch.bool, device=self.device), ancestors[0],
-                              torch.eye(k, dtype=torch.bool, device=self.device)], dim=-1)
-            return self.step(self.draft, input_ids=self.d2t.map_tokens(ids), hidden_states=hidden.contiguous(),
-                             position_ids=torch.full((1, k), real - 1 + level, device=self.device), cache=self.cache,
-                             attention_mask=mask)
-
-        scores, ids, parents, depths, levels = grow_candidates(self._logits, self._hidden, depth, top_k, step)
-        return scores[0], ids[0], parents[0], depths, levels
-
-    @staticmethod
-    def candidate_ranking(candidates) -> torch.Tensor:
-        """
-        What sizes the next round's tree (``tree_total_tokens="auto"``), from this round's candidates: their path
-        probabilities (the draft's estimate of each one's chance to be accepted), sorted in decreasing order in each
-        row and averaged over the rows, so that what a tree of ``N`` nodes is expected to accept (per row) is the sum
-        of the first ``N``; and, per level, the path probability mass of the frontier a further level would expand
-        (the ``top_k`` best candidates of the level; a child's path probability never exceeds its parent's, so this
-        bounds what the next level can add). Stays on the device (read back with the round's planes).
-
-        Args:
-            candidates: what :meth:`expand` returned (one row: ``scores`` [M]; a batch: [B, M]).
-
-        Returns:
-            `torch.DoubleTensor` [2, M]: the sorted probabilities; the frontier masses of levels 1, 2, ..., then zeros.
-        """
-        scores, _, _, depths, levels = candidates
-        m = depths.shape[-1]
-        key = Eagle3TreeDrafter.ranking_key(scores, depths).reshape(-1, m)
-        probs = key.exp()
-        # Level 1 holds k candidates and each further level k * k: k from m = k + (levels - 1) * k^2.
-        k = m if levels == 1 else round((-1 + (1 + 4 * (levels - 1) * m) ** 0.5) / (2 * (levels - 1)))
-        starts = [0] + [k + i * k * k for i in range(levels)]
-        masses = [probs[:, starts[i] : starts[i + 1]].topk(k, dim=-1).values.sum(-1).mean() for i in range(levels)]
-        frontier = torch.zeros(m, dtype=torch.float64, device=probs.device)
-        frontier[:levels] = torch.stack(masses)
-        return torch.stack([probs.sort(dim=-1, descending=True).values.mean(0), frontier])
-
-    @staticmethod
-    def ranking_key(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-        """
-        Ranking of candidates: the cumulative log-probability, with a tiny per-depth penalty so that a child always
-        ranks strictly below its parent (ties, and ``-inf`` scores, would otherwise break the closure under parents).
-
-        Args:
-            scores (`torch.FloatTensor` [..., M]): cumulative log-probabilities of the candidates.
-            depths (`torch.LongTensor` [M]): their depths.
-
-        Returns:
-            `torch.DoubleTensor` [..., M]: higher is better.
-        """
-        return scores.double().clamp(min=-1e6) - 1e-9 * depths.double()
-
-    def select(self, candidates, root_token: torch.LongTensor, total_tokens: int) -> DraftTree:
-        """Keep the ``total_tokens`` best candidates (closed under parents) and build the tree around the root.
-
-        Args:
-            candidates: what :meth:`expand` returned.
-            root_token (`torch.LongTensor` [1]): the sequence's last token.
-            total_tokens (`int`): nodes to keep besides the root (at most the number of candidates).
-        """
-        scores, ids, parents, depths, levels = candidates
-        one_row = (scores[None], ids[None], parents[None], depths, levels)
-        return select_trees(one_row, root_token.view(1).to(self.device), total_tokens, self.d2t)[0]
 
 
 def grow_candidates(logits: torch.Tensor, hidden: torch.Tensor, depth: int, top_k: int, step):
@@ -233,7 +98,7 @@ def grow_candidates(logits: torch.Tensor, hidden: torch.Tensor, depth: int, top_
 
 def select_trees(candidates, roots: torch.LongTensor, total: int, d2t) -> list:
     """
-    Keep each row's ``total`` best candidates (closed under parents: see :meth:`Eagle3TreeDrafter.ranking_key`) and
+    Keep each row's ``total`` best candidates (closed under parents: see :func:`ranking_key`) and
     build its tree around its root.
 
     Args:
@@ -247,7 +112,7 @@ def select_trees(candidates, roots: torch.LongTensor, total: int, d2t) -> list:
     """
     scores, ids, parents, depths, levels = candidates
     rows, device = scores.shape[0], scores.device
-    key = Eagle3TreeDrafter.ranking_key(scores, depths)
+    key = ranking_key(scores, depths)
     n = min(int(total), key.shape[1])
     chosen = key.topk(n, dim=-1).indices.sort(dim=-1).values  # [B, n], level order: parents first
     order = torch.arange(1, n + 1, device=device).expand(rows, n)
@@ -265,3 +130,46 @@ def select_trees(candidates, roots: torch.LongTensor, total: int, d2t) -> list:
     chosen_scores = scores.gather(1, chosen)
     return [DraftTree(tokens[b], tree_parents[b], tree_depths[b], ancestors[b], chosen_scores[b], max_depth)
             for b in range(rows)]
+
+
+def ranking_key(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """
+    Ranking of candidates: the cumulative log-probability, with a tiny per-depth penalty so that a child always
+    ranks strictly below its parent (ties, and ``-inf`` scores, would otherwise break the closure under parents).
+
+    Args:
+        scores (`torch.FloatTensor` [..., M]): cumulative log-probabilities of the candidates.
+        depths (`torch.LongTensor` [M]): their depths.
+
+    Returns:
+        `torch.DoubleTensor` [..., M]: higher is better.
+    """
+    return scores.double().clamp(min=-1e6) - 1e-9 * depths.double()
+
+
+def candidate_ranking(candidates) -> torch.Tensor:
+    """
+    What sizes the next round's tree (``tree_total_tokens="auto"``), from this round's candidates: their path
+    probabilities (the draft's estimate of each one's chance to be accepted), sorted in decreasing order in each
+    row and averaged over the rows, so that what a tree of ``N`` nodes is expected to accept (per row) is the sum
+    of the first ``N``; and, per level, the path probability mass of the frontier a further level would expand
+    (the ``top_k`` best candidates of the level; a child's path probability never exceeds its parent's, so this
+    bounds what the next level can add). Stays on the device (read back with the round's planes).
+
+    Args:
+        candidates: what :func:`grow_candidates` returned (one row: ``scores`` [M]; a batch: [B, M]).
+
+    Returns:
+        `torch.DoubleTensor` [2, M]: the sorted probabilities; the frontier masses of levels 1, 2, ..., then zeros.
+    """
+    scores, _, _, depths, levels = candidates
+    m = depths.shape[-1]
+    key = ranking_key(scores, depths).reshape(-1, m)
+    probs = key.exp()
+    # Level 1 holds k candidates and each further level k * k: k from m = k + (levels - 1) * k^2.
+    k = m if levels == 1 else round((-1 + (1 + 4 * (levels - 1) * m) ** 0.5) / (2 * (levels - 1)))
+    starts = [0] + [k + i * k * k for i in range(levels)]
+    masses = [probs[:, starts[i] : starts[i + 1]].topk(k, dim=-1).values.sum(-1).mean() for i in range(levels)]
+    frontier = torch.zeros(m, dtype=torch.float64, device=probs.device)
+    frontier[:levels] = torch.stack(masses)
+    return torch.stack([probs.sort(dim=-1, descending=True).values.mean(0), frontier])

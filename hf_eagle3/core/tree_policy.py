@@ -120,7 +120,7 @@ class TreeSizeChooser:
 
         Args:
             frontier_mass (`list[float]`): per level drafted last round, the path probability mass of its ``top_k`` best
-                candidates (``Eagle3TreeDrafter.candidate_ranking``; zeros past the levels drafted).
+                candidates (``tree_drafter.candidate_ranking``; zeros past the levels drafted).
             most (`int`): ``tree_depth``.
         """
         if not self.rounds or not self.draft_forwards or self.round_seconds <= 0:
@@ -142,7 +142,7 @@ class TreeSizeChooser:
         read-back).
 
         Args:
-            ranking (`list`): the read-back ``Eagle3TreeDrafter.candidate_ranking``: sorted path probabilities, then
+            ranking (`list`): the read-back ``tree_drafter.candidate_ranking``: sorted path probabilities, then
                 frontier masses per level.
             total (`int`): drafted nodes of the round's tree (per row).
             accepted (`float`): drafted tokens accepted (per row).

@@ -1,36 +1,54 @@
-"""Batched EAGLE-3 decoding: chains and trees for a left-padded batch, run in place of Transformers' assisted-decoding
-loop (which takes one sequence) when ``generate`` gets more than one row.
+"""The decoding loop the package owns: trees at every batch size (one row included) and chains for batches, run in place
+of Transformers' assisted-decoding loop (which takes one sequence and drafts chains). Batch-1 chains stay in
+Transformers' loop (:class:`~hf_eagle3.core.candidate_generator.Eagle3CandidateGenerator`).
 
-Every row keeps its own acceptance; the draft runs one forward per step for all the rows
-(:class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`) and the target verifies all rows in one forward.
+``target.generate(ids, assistant_model=draft, ...)`` reaches it through the ``generate`` hook
+(:func:`~hf_eagle3.core.generate_hook.route_assisted_decoding`) with the arguments Transformers prepared (logits
+processors, stopping criteria, streamer, cache). Each round is a straight line of named steps of :class:`_Loop`:
+**draft** (the draft consumes every row's verified features in one forward, then drafts every row's chain or tree, one
+forward per level: :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`), **verify** (one target forward of
+every row's nodes), **accept** (the round's one read-back, then :func:`~hf_eagle3.core.acceptance.accept_row` per row),
+**commit** (the target cache keeps each row's accepted path) and **retire** (finished rows leave the batch), then, for
+``"auto"``, **observe**.
+
 Rows accept different numbers of tokens, so the target's KV cache keeps a per-row validity mask: a round appends as
 many entries as the row that accepted most, the other rows' surplus entries are holes that the attention mask hides,
-and each row carries its own position ids. When holes make the cache much longer than the longest row, the rows
-are compacted (each row's entries moved to the right end, as left padding is). Rows that finish leave the batch, so
-they stop costing.
+and each row carries its own position ids. When holes make the cache much longer than the longest row, the rows are
+compacted (each row's entries moved to the right end, as left padding is). A call of one row never has holes: its
+cache keeps the accepted path with :func:`~hf_eagle3.core.target_cache.gather_cache`, which also rolls sliding-window
+layers back past their window.
 
-A chain is the tree with one child per node: the same loop drafts ``num_assistant_tokens`` tokens per row with the
-draft's most likely token at each step, and accepts them with the same walk (greedy: the target's choice; sampling:
-recursive rejection sampling, which keeps the target's distribution). See ``docs/batching.md``.
+A chain is the tree with one child per node: the same steps draft ``num_assistant_tokens`` tokens per row with the
+draft's most likely token at each step, and accept them with the same walk (greedy: the target's choice; sampling:
+recursive rejection sampling, which keeps the target's distribution). See ``docs/trees.md`` and ``docs/batching.md``.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .acceptance import accept_row, read_back, round_planes
 from .batch_drafter import Eagle3BatchTreeDrafter, take_positions
-from .cost_model import measure_costs, target_costs
+from .cost_model import Stopwatch, measure_costs, target_costs
 from .draft_length_policy import Eagle3DraftLengthPolicy
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
 from .stats import Eagle3Stats, publish_stats
 from .stopping import HostStopping
-from .target_cache import batch_tree_mask, compact, decoding_cache, gather_entries, keep_rows, prefill, sliding_window
+from .target_cache import (
+    batch_tree_mask,
+    compact,
+    decoding_cache,
+    gather_cache,
+    gather_entries,
+    keep_rows,
+    prefill,
+    sliding_window,
+    tree_attention_mask,
+)
 from .transformers_compat import eos_token_ids
-from .tree_drafter import Eagle3TreeDrafter
+from .tree_drafter import DraftTree, candidate_ranking
 from .tree_policy import AUTO_FIRST, AUTO_SIZES, TreeSizeChooser, auto_most_nodes
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
@@ -97,10 +115,10 @@ def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None) -> Eag
     return Eagle3DraftLengthPolicy.from_carried(measure_costs(model, draft, input_ids), carried)
 
 
-def check_batch(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> torch.Tensor:
+def check_batch(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> list:
     """
-    Check, before any work, what only the batched loop needs (left padding; every entry inside a sliding window),
-    and return the number of left pads of each row.
+    Check, before any work, what the loop needs of its rows (left padding, at least one token each; for more than one
+    row, every entry inside a sliding window), and return the number of left pads of each row.
 
     Args:
         input_ids (`torch.LongTensor` [B, L]): the padded prompts.
@@ -110,29 +128,31 @@ def check_batch(input_ids: torch.LongTensor, attention_mask, generation_config, 
         nodes (`int`): the most tokens a round verifies per row (root included).
 
     Raises:
-        ValueError: with the fix, for a setting the batched loop cannot do.
+        ValueError: with the fix, for a setting the loop cannot do.
     """
     window = sliding_window(cache)
-    if generation_config.max_length + nodes >= window:
+    if input_ids.shape[0] > 1 and generation_config.max_length + nodes >= window:
         raise ValueError(
             f"Batched EAGLE-3 decoding keeps every row's cache entries inside the target's sliding window "
             f"({window}), so max_length + tokens per round ({generation_config.max_length} + {nodes}) must stay "
             "below it. Generate fewer tokens, or decode the rows one at a time (batch 1 has no such limit)."
         )
+    if input_ids.shape[1] == 0:
+        raise ValueError("EAGLE-3 decoding needs `input_ids` (a prompt given only as `inputs_embeds` is not supported).")
     if attention_mask is None:
-        return torch.zeros(input_ids.shape[0], dtype=torch.long)
+        return [0] * input_ids.shape[0]
     mask = attention_mask.bool()
     real = mask.sum(-1)
     pads = (mask.shape[1] - real).cpu()
     left_padded = (mask.long().cumsum(-1) == 0).sum(-1).cpu() == pads
     if not bool(left_padded.all()) or bool((real == 0).any()):
-        raise ValueError("Batched EAGLE-3 decoding needs left-padded prompts with at least one token each "
+        raise ValueError("EAGLE-3 decoding needs left-padded prompts with at least one token each "
                          "(tokenizer.padding_side = 'left'); the attention mask has zeros after a real token.")
-    return pads
+    return pads.tolist()
 
 
 # ------------------------------------------------------------------------------------------------ the loop
-def eagle3_batched_decoding(
+def eagle3_decoding(
     model,
     call,
     input_ids: torch.LongTensor,
@@ -144,84 +164,114 @@ def eagle3_batched_decoding(
     drafter_class=None,
 ):
     r"""
-    EAGLE-3 decoding of a left-padded batch (chains or trees), run in place of ``GenerationMixin._assisted_decoding``
-    with the arguments Transformers prepared for it (see :func:`~hf_eagle3.core.generate_hook.loop_arguments`).
+    EAGLE-3 decoding of one sequence or a left-padded batch (trees; chains for batches), run in place of
+    ``GenerationMixin._assisted_decoding`` with the arguments Transformers prepared for it (see
+    :func:`~hf_eagle3.core.generate_hook.loop_arguments`).
 
-    Each round, in order: **draft** (the draft consumes every unfinished row's verified features in one forward, then
-    drafts all the rows' chains or trees, one forward per level), **verify** (one target forward of every row's
-    nodes: 4D mask over the row's valid cache entries and its tree, per-row positions), **accept** (per row, :func:`~hf_eagle3.core.acceptance.walk_tree`, then the length limit and
-    EOS), **commit** (the target cache keeps each row's accepted path, the accepted features wait for the draft) and
-    **retire** (finished rows leave the batch). Output: the rows as plain batched ``generate`` lays them out (padded
-    prompt, generated tokens, ``pad_token_id`` after a row's end).
+    Prefill with the target; then each round, in order: **draft** (the draft consumes every unfinished row's verified
+    features in one forward, then drafts all the rows' chains or trees, one forward per level), **verify** (one target
+    forward of every row's nodes: 4D mask over the row's cache entries and its own tree, per-row depth-based
+    positions), **accept** (the round's one read-back; per row, the longest path the target agrees with, plus its
+    bonus token: greedy, the target's choice; sampling,
+    :func:`~hf_eagle3.core.acceptance.sample_among_children`; then the length limit and EOS), **commit** (the target
+    cache keeps each row's accepted path, the accepted features wait for the draft), **retire** (finished rows leave
+    the batch) and, for ``"auto"``, **observe** (the round's acceptance and times size the next round).
 
     Args:
         model: the target.
-        call: the active EAGLE-3 call (draft, feature capture, settings).
-        input_ids (`torch.LongTensor` [B, L]): the left-padded prompts.
-        logits_processor (`LogitsProcessorList`): applied per row to the target's logits, with the row's own prefix.
+        call: the active EAGLE-3 call (draft, feature capture, settings); its ``generator`` is set to the call's
+            statistics holder, which the generate hook publishes at the end.
+        input_ids (`torch.LongTensor` [B, L]): the (left-padded) prompts.
+        logits_processor (`LogitsProcessorList`): applied per row to the target's logits at every node, with the
+            node's own prefix.
         stopping_criteria (`StoppingCriteriaList`): checked per row after each round.
         generation_config (`GenerationConfig`): ``do_sample``, ``max_length``, EOS, pad, ``return_dict_in_generate``,
             ``output_scores``, ``output_logits``.
-        streamer: must be ``None`` (Transformers' streamers take one row; the generate hook refuses them before).
-        drafter_class (`type`, *optional*): the batch's drafter (default :class:`Eagle3BatchTreeDrafter`), built as
+        model_kwargs (`dict`): the prepared model kwargs (``cache``, ``attention_mask``, ``position_ids``, ...).
+        streamer (`BaseStreamer`, *optional*): receives each round's new tokens (one row only: Transformers'
+            streamers take one sequence).
+        drafter_class (`type`, *optional*): the drafter (default :class:`Eagle3BatchTreeDrafter`), built as
             ``drafter_class(draft, rows, capacity)``.
-        model_kwargs (`dict`): the prepared model kwargs (``cache``, ``attention_mask``, ...).
 
     Returns:
         `torch.LongTensor` [B, L + new], or a `GenerateDecoderOnlyOutput` when ``return_dict_in_generate`` (its
         ``scores`` / ``logits`` hold, per step, one row per sequence; rows already finished get ``-inf`` scores
-        and zero logits there; ``past_key_values`` is ``None``: the cache has holes).
+        and zero logits there; the cache is returned for one row, ``None`` for a batch, whose cache has holes).
+        Rows are laid out as plain batched ``generate`` lays them out (padded prompt, generated tokens,
+        ``pad_token_id`` after a row's end).
     """
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    if streamer is not None:
+    if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("Transformers' streamers take one sequence; stream with a batch of one.")
-    loop = _BatchLoop(model, call, drafter_class or Eagle3BatchTreeDrafter, input_ids, logits_processor,
-                      stopping_criteria, generation_config, model_kwargs)
+    loop = _Loop(model, call, drafter_class or Eagle3BatchTreeDrafter, input_ids, logits_processor,
+                 stopping_criteria, generation_config, model_kwargs, streamer)
     loop.prefill()
     while loop.rows:
-        started = time.perf_counter()
-        trees, drafted, feed = loop.draft()
-        logits, features, start = loop.verify(trees)
-        kept, depths = loop.accept(trees, logits, features)
-        loop.commit(kept, start)
+        one = loop.draft()
+        logits, features, start = loop.verify(one.trees)
+        kept, depths = loop.accept(one, logits, features)
+        loop.commit(one, kept, start)
         loop.retire()
-        loop.observe(trees, depths, kept, drafted, feed, time.perf_counter() - started)
-    return _outputs(loop.finished, generation_config, input_ids, loop.run, GenerateDecoderOnlyOutput)
+        loop.observe(one, depths, kept)
+    return loop.output(GenerateDecoderOnlyOutput)
 
 
-class _BatchLoop:
+@dataclass(eq=False)
+class _Round:
+    """What a round's drafting step decided, and (for ``"auto"``) its marks on the device's timeline
+    (:class:`~hf_eagle3.core.cost_model.Stopwatch`), read after the round's read-back."""
+
+    trees: list  # one DraftTree per unfinished row
+    drafted: int  # the draft length asked for (0: a plain target step, the feed waits)
+    feed: int  # mean verified positions per row waiting for the draft at the start of the round
+    levels: int = 0  # tree levels expanded
+    started: object = None  # mark at the start of drafting
+    fed_at: object = None  # mark after the draft's feed
+    drafted_at: object = None  # mark after the trees' selection
+    ended: object = None  # mark after the verification, just before the read-back
+    ranking: object = None  # "tree_auto": candidate_ranking's probabilities and frontier masses (device, then host)
+
+
+class _Loop:
     r"""
-    The state of one batched ``generate`` call and its steps (see :func:`eagle3_batched_decoding`).
+    The state of one EAGLE-3 ``generate`` call of the package's loop and its steps (see :func:`eagle3_decoding`).
 
     The target cache's rows carry a validity mask (``valid`` [B, T]: left padding and holes are False) and each row's
-    next position (``positions`` [B]: its real tokens so far); ``rows`` are the unfinished rows, in cache order.
+    next position (``positions`` [B]); ``rows`` are the unfinished rows, in cache order.
 
     Args:
         model (`PreTrainedModel`): the target.
         call: the active EAGLE-3 call (draft, feature capture, settings).
-        drafter_class (`type`): the batch's drafter.
+        drafter_class (`type`): the drafter.
         input_ids (`torch.LongTensor` [B, L]): the left-padded prompts.
         logits_processor (`LogitsProcessorList`): the call's processors.
         stopping_criteria (`StoppingCriteriaList`): the call's stopping criteria.
         generation_config (`GenerationConfig`): the call's config.
         model_kwargs (`dict`): the prepared model kwargs.
+        streamer (`BaseStreamer`, *optional*): the call's streamer (one row).
+
+    Raises:
+        ValueError: for inputs or settings the loop does not support, before any work.
     """
 
     def __init__(self, model, call, drafter_class, input_ids, logits_processor, stopping_criteria, generation_config,
-                 model_kwargs):
-        self.model, self.model_kwargs, self.input_ids = model, model_kwargs, input_ids
+                 model_kwargs, streamer=None):
+        self.model, self.model_kwargs, self.input_ids, self.streamer = model, model_kwargs, input_ids, streamer
         self.draft_model, self.capture = call.draft, call.capture
         self.shape = _round_shape(call, self.draft_model)
-        self.cache_key, self.cache = decoding_cache(model_kwargs, generation_config, "Batched EAGLE-3 decoding")
+        self.single = input_ids.shape[0] == 1  # one row: no holes, and sliding layers may pass their window
+        name = "EAGLE-3 tree decoding" if self.single else "Batched EAGLE-3 decoding"
+        self.cache_key, self.cache = decoding_cache(model_kwargs, generation_config, name)
         self.attention_mask = model_kwargs.get("attention_mask")
-        self.pads = check_batch(input_ids, self.attention_mask, generation_config, self.cache,
-                                self.shape["most"] + 1).tolist()  # a host tensor
+        self.pads = check_batch(input_ids, self.attention_mask, generation_config, self.cache, self.shape["most"] + 1)
+        if self.single and hasattr(self.cache, "activate_past_recording"):
+            self.cache.activate_past_recording()  # sliding layers keep what a rollback needs until the gather
         self.window = sliding_window(self.cache)
         shape = self.shape  # the draft cache holds the longest row and one round's tree
         capacity = generation_config.max_length + shape["depth"] * shape["top_k"] + shape["depth"] + 2
         self.drafter = drafter_class(self.draft_model, input_ids.shape[0], capacity)  # before any timing forward
-        self.run = _BatchRun(self.draft_model)
+        self.run = _Run(self.draft_model)
         call.generator = self.run
         if self.shape["auto"]:
             self.run.policy = batch_policy(model, self.draft_model, input_ids,
@@ -231,10 +281,12 @@ class _BatchLoop:
         if self.shape["tree_auto"]:
             self.chooser = TreeSizeChooser(target_costs(model, input_ids, sizes=AUTO_SIZES))
             self.capture.clear()
-        self.ranking = None  # "tree_auto": the round's candidate_ranking (probabilities, frontier masses)
+        self.stopwatch = Stopwatch(input_ids.device) if self.shape["auto"] or self.shape["tree_auto"] else None
+        self.round_from = None  # "auto": where the next round's time starts (the previous round's end mark)
         self.next_depth = self.shape["depth"]  # "tree_auto": the levels of the next round's trees
         self.stopping_criteria = stopping_criteria
         self.host_stopping = HostStopping.of(stopping_criteria)
+        self.generation_config = generation_config
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
         self.eos = eos_token_ids(generation_config)
@@ -250,16 +302,23 @@ class _BatchLoop:
         self.capture.clear()
         return features
 
+    def _mark(self):
+        """A mark on the device's timeline for ``"auto"`` (``None`` otherwise)."""
+        return self.stopwatch.mark() if self.stopwatch is not None else None
+
     def prefill(self) -> None:
         """The padded prompts in one forward: each row's first token, and its prompt's features for its draft."""
         input_ids, processors = self.input_ids, self.processors
         last = prefill(self.model, input_ids, self.model_kwargs, self.cache, self.max_length + self.shape["most"] + 1)
+        self.cache.crop(0)  # sliding layers back to their window
         scores = processors(input_ids, last) if processors is not None else last
         first = torch.multinomial(scores.softmax(-1), 1)[:, 0] if self.do_sample else scores.argmax(-1)
         features = self._features()
         self.valid = (self.attention_mask.bool() if self.attention_mask is not None
                       else torch.ones(input_ids.shape, dtype=torch.bool, device=self.device))
-        self.positions = self.valid.sum(-1)  # position of each row's next token (its root): real tokens so far
+        position_ids = self.model_kwargs.get("position_ids")  # each row's next position: after its last one given,
+        self.positions = (position_ids[:, -1] + 1 if position_ids is not None  # else its real tokens so far
+                          else self.valid.sum(-1))
         # Each row's prompt positions, moved to the left (the drafter's feeds are right-padded), and the token after
         # each of them (the prompt's next one, then the first generated).
         length = input_ids.shape[1]
@@ -273,73 +332,94 @@ class _BatchLoop:
             row.logits.append(last[b : b + 1])
             row.stats.record(0, 0)
             self.rows.append(row)
+        if self.streamer is not None:
+            self.streamer.put(first[:, None].cpu())
         self.retire()
 
-    def draft(self) -> tuple[list, int, int]:
+    def draft(self) -> _Round:
         """The draft consumes every row's verified positions and drafts every row's tree, one forward per step for
-        the batch (one length for all with "auto"; no deeper than the roomiest row can still use).
+        the batch (one length for all with "auto"; no deeper than the roomiest row can still use). No read-back: an
+        ``"auto"`` size was chosen from the previous round's acceptance and candidates.
 
         Returns:
-            ``(trees, drafted, feed)``: one `DraftTree` per row, the draft length asked for, the mean positions fed.
+            `_Round`: one `DraftTree` per row (lone roots when the round drafts nothing), the draft length asked
+            for, the mean positions fed, and the marks of ``"auto"``.
         """
         shape, policy, chooser, drafter = self.shape, self.run.policy, self.chooser, self.drafter
         feed = round(sum(drafter.num_pending(b) for b in range(len(self.rows))) / len(self.rows))
         if policy is not None:
             k = policy.choose(shape["depth"], feed=feed)
             shape = dict(shape, depth=k, total=k)
+        one = _Round(None, 0, feed, started=self._mark())
         depth = min(shape["depth"], max(self.max_length - len(row.ids) - 1 for row in self.rows))
-        self.ranking = None
         if chooser is not None and depth >= 1 and not chooser.draft_this_round():
             depth = 0  # a plain step for the batch; the feed waits
         elif chooser is not None:
             depth = min(depth, self.next_depth)
         roots = torch.tensor([row.ids[-1] for row in self.rows], dtype=torch.long, device=drafter.device)
-        trees = drafter.round_trees(depth, shape["top_k"], shape["total"], roots)
-        if chooser is not None and depth >= 1:
-            self.ranking = Eagle3TreeDrafter.candidate_ranking(drafter.last_candidates)
-        return trees, shape["depth"] if depth >= 1 else 0, feed
+        if depth < 1:
+            one.trees = [DraftTree.root_only(roots[b : b + 1]) for b in range(roots.shape[0])]
+            return one
+        one.drafted = shape["depth"]
+        drafter.feed()
+        one.fed_at = self._mark()
+        candidates = drafter.expand(depth, shape["top_k"])
+        one.levels = candidates[4]
+        one.trees = drafter.select(candidates, roots, shape["total"])
+        if chooser is not None:
+            one.ranking = candidate_ranking(candidates)
+        one.drafted_at = self._mark()
+        return one
 
     def verify(self, trees: list) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """One target forward of every row's tree (compacting the cache first when holes made it too long).
+        """One target forward of every row's tree (for a batch, compacting the cache first when holes made it too
+        long).
 
         Returns:
             ``(logits [B, N, V] float32, features [B, N, 3T], start)``: ``start`` is where the forward's entries begin
             in the cache.
         """
         nodes = max(t.tokens.shape[0] for t in trees)
-        # The longest row's cached tokens, from host lengths (positions[b] == len(ids) - 1 - pads[b]): no read-back.
-        longest = max(len(row.ids) - 1 - self.pads[row.index] for row in self.rows)
-        if self.valid.shape[1] + nodes > min(2 * longest + COMPACT_SLACK, self.window - 1):
-            self.valid = compact(self.cache, self.valid)  # far longer than the longest row, or near the window
+        if not self.single:
+            # The longest row's cached tokens, from host lengths (positions[b] == len(ids) - 1 - pads[b]).
+            longest = max(len(row.ids) - 1 - self.pads[row.index] for row in self.rows)
+            if self.valid.shape[1] + nodes > min(2 * longest + COMPACT_SLACK, self.window - 1):
+                self.valid = compact(self.cache, self.valid)  # far longer than the longest row, or near the window
         start, device = self.valid.shape[1], self.device
         depths = torch.stack([_padded(t.depths, nodes) for t in trees]).to(device)
+        if self.single:  # a mask per layer kind: sliding layers past their window see only its last entries
+            tree = trees[0]
+            mask = tree_attention_mask(self.cache, tree.ancestors.to(device), depths[0],
+                                       self.valid[0] if self.pads[0] else None, self.dtype)
+        else:
+            mask = batch_tree_mask(self.cache, self.valid, trees, nodes, self.dtype)
         outputs = self.model(
             input_ids=torch.stack([_padded(t.tokens, nodes) for t in trees]).to(device),
             position_ids=self.positions[:, None] + depths,
-            attention_mask=batch_tree_mask(self.cache, self.valid, trees, nodes, self.dtype),
+            attention_mask=mask,
             use_cache=True,
             **{self.cache_key: self.cache},
         )
         logits = outputs.logits[:, -nodes:].to(dtype=torch.float32, device=device)
         return logits, self._features(), start
 
-    def accept(self, trees: list, logits: torch.Tensor, features: torch.Tensor) -> list:
-        """Per row: the acceptance walk, the length limit and EOS; the row's tokens, scores, statistics and the
-        verified features for its draft are extended.
+    def accept(self, one: _Round, logits: torch.Tensor, features: torch.Tensor) -> tuple[list, list]:
+        """The round's one read-back (every row's planes: tree, then the argmax or the sampling decisions; for
+        ``"tree_auto"`` the candidates' ranking), then per row the acceptance walk, the length limit and EOS; the
+        row's tokens, scores, statistics and the verified features for its draft are extended.
 
         Returns:
             ``(kept, depths)``: per row, the tree nodes whose cache entries stay (the root first), and the depth of
             its tree.
         """
-        # One read-back for the whole batch: every row's planes (tree, then the argmax or the sampling decisions).
+        trees = one.trees
         nodes, sizes, planes, processed = logits.shape[1], [t.tokens.shape[0] for t in trees], [], []
         for b, (tree, n) in enumerate(zip(trees, sizes)):
             row_planes, row_processed = round_planes(tree, logits[b, :n], self.do_sample, self.processors)
             planes.append(torch.stack([_padded(plane, nodes) for plane in row_planes]))
             processed.append(row_processed)
-        host, ranking = read_back(torch.stack(planes), self.ranking)
-        if ranking is not None:
-            self.ranking = ranking
+        one.ended = self._mark()
+        host, one.ranking = read_back(torch.stack(planes), one.ranking)
         kept, depths, following = [], [], []
         for b, (row, n) in enumerate(zip(self.rows, sizes)):
             mine = [plane[:n] for plane in host[b]]
@@ -354,6 +434,8 @@ class _BatchLoop:
             row.scores += walk.scores[: len(new)]
             row.logits += walk.logits[: len(new)]
             row.stats.record(depths[-1], len(new) - 1)
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor([following[0]]))
         # The accepted paths' features wait for the draft's next feed (one block for the batch, right-padded).
         width = max(len(p) for p in kept)
         index = torch.tensor([p + [0] * (width - len(p)) for p in kept], device=features.device)
@@ -361,23 +443,27 @@ class _BatchLoop:
         self.drafter.add(take_positions(features, index), tokens, [len(p) for p in kept])
         return kept, depths
 
-    def commit(self, kept: list, start: int) -> None:
-        """The target cache keeps each row's accepted path; a shorter path than the longest leaves holes. When every
-        row keeps every entry of the forward in order (a round that drafted nothing), the cache stays as it is."""
+    def commit(self, one: _Round, kept: list, start: int) -> None:
+        """The target cache keeps each row's accepted path. One row: the path is gathered in place (sliding layers
+        rolled back to their window). A batch: a shorter path than the longest leaves holes; when every row keeps
+        every entry of the forward in order (a round that drafted nothing), the cache stays as it is."""
         width = max(len(p) for p in kept)
-        index = torch.zeros(len(kept), width, dtype=torch.long)
-        block = torch.zeros(len(kept), width, dtype=torch.bool)
-        for b, p in enumerate(kept):
-            index[b, : len(p)] = torch.tensor(p)
-            block[b, : len(p)] = True
-        everything = self.cache.get_seq_length() == start + width and all(p == list(range(width)) for p in kept)
-        if not everything:
+        if self.single:
+            gather_cache(self.cache, torch.tensor(kept[0], dtype=torch.long, device=self.device),
+                         one.trees[0].tokens.shape[0])
+            self.valid = torch.cat([self.valid, self.valid.new_ones(1, width)], dim=1)
+            self.positions = self.positions + width
+            return
+        if not (self.cache.get_seq_length() == start + width and all(p == list(range(width)) for p in kept)):
+            index = torch.tensor([p + [0] * (width - len(p)) for p in kept], dtype=torch.long)
             gather_entries(self.cache, index.to(self.device), start)
+        block = torch.tensor([[True] * len(p) + [False] * (width - len(p)) for p in kept])
         self.valid = torch.cat([self.valid, block.to(self.device)], dim=1)
         self.positions = self.positions + block.sum(-1).to(self.device)
 
     def retire(self) -> None:
-        """Rows that are done (EOS, ``max_length`` or a stopping criterion) leave the batch and its cache."""
+        """Rows that are done (EOS, ``max_length`` or a stopping criterion) leave the batch and its cache (the last
+        rows keep it: it is returned for one row)."""
         remaining = []
         for row in self.rows:
             done = row.ids[-1] in self.eos or len(row.ids) >= self.max_length
@@ -389,7 +475,7 @@ class _BatchLoop:
                 self.finished[row.index] = row
             else:
                 remaining.append(row)
-        if len(remaining) < len(self.rows):
+        if remaining and len(remaining) < len(self.rows):
             kept = [i for i, r in enumerate(self.rows) if r in remaining]
             self.drafter.keep_rows(kept)
             keep = torch.tensor(kept, dtype=torch.long, device=self.device)
@@ -397,25 +483,64 @@ class _BatchLoop:
             self.valid, self.positions = self.valid[keep], self.positions[keep]
         self.rows = remaining
 
-    def observe(self, trees: list, depths: list, kept: list, drafted: int, feed: int, seconds: float) -> None:
-        """For "auto": the round's acceptance (every row: its tree's depth and the nodes kept) and wall time; with
-        ``tree_total_tokens="auto"``, the size of the next round's trees."""
-        policy, chooser = self.run.policy, self.chooser
+    def observe(self, one: _Round, depths: list, kept: list) -> None:
+        """For "auto": the round's acceptance (every row: its tree's depth and the nodes kept) and time; with
+        ``tree_total_tokens="auto"``, the size of the next round's trees. The marks were all passed by the
+        read-back; a round's time runs from the previous round's end mark to its own (so the read-back, the walk
+        and the commit are counted once)."""
+        policy, chooser, watch = self.run.policy, self.chooser, self.stopwatch
+        if watch is None:
+            return
+        seconds = watch.seconds(self.round_from if self.round_from is not None else one.started, one.ended)
+        self.round_from = one.ended
         if policy is not None:
             for depth, path in zip(depths, kept):
                 policy.observe(depth, len(path) - 1)
-            policy.observe_time(drafted, seconds, feed=feed)
+            policy.observe_time(one.drafted, seconds, feed=one.feed)
         if chooser is None:
             return
-        if not drafted:
+        if not one.drafted:
             chooser.update_plain(seconds)
             return
-        total = trees[0].tokens.shape[0] - 1
         accepted = sum(len(path) - 1 for path in kept) / len(kept)  # per row, as the probabilities are
         nodes, self.next_depth = chooser.observe_tree_round(
-            self.ranking, total, accepted, max(seconds - chooser.target_seconds(total + 1), 0.0), trees[0].max_depth,
-            seconds, self.shape["depth"], fed=feed)
+            one.ranking, one.trees[0].tokens.shape[0] - 1, accepted, watch.seconds(one.started, one.drafted_at),
+            max(1, one.levels), seconds, self.shape["depth"], feed_seconds=watch.seconds(one.started, one.fed_at),
+            fed=one.feed)
         self.shape = dict(self.shape, total=nodes)
+
+    def output(self, output_class):
+        """What ``generate`` returns: the rows as plain batched ``generate`` lays them out, or ``output_class``
+        (scores and logits per step, the cache for one row); the statistics go on the run."""
+        if self.streamer is not None:
+            self.streamer.end()
+        finished, generation_config = self.finished, self.generation_config
+        self.run.rows = [row.stats for row in finished]
+        pad = generation_config.pad_token_id  # generate's default when unset: the first eos token, else 0
+        if pad is None:
+            eos = generation_config.eos_token_id
+            eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+            pad = eos if eos is not None else 0
+        pad = int(pad)
+        length = max(len(row.ids) for row in finished)
+        sequences = torch.tensor([row.ids + [pad] * (length - len(row.ids)) for row in finished],
+                                 dtype=self.input_ids.dtype, device=self.device)
+        if not generation_config.return_dict_in_generate:
+            return sequences
+        steps = length - self.input_ids.shape[1]
+
+        def per_step(name: str, fill: float):
+            if not getattr(generation_config, f"output_{name}"):
+                return None
+            out = []
+            for t in range(steps):
+                values = [getattr(row, name)[t] if t < len(getattr(row, name)) else None for row in finished]
+                like = next(v for v in values if v is not None)
+                out.append(torch.cat([v if v is not None else torch.full_like(like, fill) for v in values]))
+            return tuple(out)
+
+        return output_class(sequences=sequences, scores=per_step("scores", float("-inf")),
+                            logits=per_step("logits", 0.0), **{self.cache_key: self.cache if self.single else None})
 
 
 def _padded(values: torch.Tensor, n: int) -> torch.Tensor:
@@ -442,7 +567,7 @@ def _row_processor(processors, row: _Row, batch_size: int, device):
     return process
 
 
-class _BatchRun:
+class _Run:
     """Per-call state published at the end of ``generate`` (``finish`` is called by the generate hook): the summed
     statistics as ``draft.last_stats``, one per row as ``draft.last_batch_stats``."""
 
@@ -451,37 +576,6 @@ class _BatchRun:
         self.rows = []
         self.policy = None  # the "auto" draft-length policy, when the call uses it
 
-
     def finish(self) -> Eagle3Stats:
         """Publish the statistics on the draft and return their sum."""
         return publish_stats(self.draft, self.rows, self.policy)
-
-
-def _outputs(finished: list, generation_config, input_ids, run: _BatchRun, output_class):
-    """Lay the rows out as plain batched ``generate`` does, and the statistics on the run."""
-    run.rows = [row.stats for row in finished]
-    pad = generation_config.pad_token_id  # generate's default when unset: the first eos token, else 0
-    if pad is None:
-        eos = generation_config.eos_token_id
-        eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
-        pad = eos if eos is not None else 0
-    pad = int(pad)
-    length = max(len(row.ids) for row in finished)
-    sequences = torch.tensor([row.ids + [pad] * (length - len(row.ids)) for row in finished],
-                             dtype=input_ids.dtype, device=input_ids.device)
-    if not generation_config.return_dict_in_generate:
-        return sequences
-    steps = length - input_ids.shape[1]
-
-    def per_step(name: str, fill: float):
-        if not getattr(generation_config, f"output_{name}"):
-            return None
-        out = []
-        for t in range(steps):
-            values = [getattr(row, name)[t] if t < len(getattr(row, name)) else None for row in finished]
-            like = next(v for v in values if v is not None)
-            out.append(torch.cat([v if v is not None else torch.full_like(like, fill) for v in values]))
-        return tuple(out)
-
-    return output_class(sequences=sequences, scores=per_step("scores", float("-inf")),
-                        logits=per_step("logits", 0.0), past_key_values=None)
