@@ -226,6 +226,29 @@ def test_costs_are_measured_once_per_target(monkeypatch):
     assert first.to_dict()["target_ratio"]["1"] == pytest.approx(1.0)
 
 
+def test_a_long_prompt_is_priced_at_its_own_context_length(monkeypatch):
+    """Forwards are timed on a cache as long as the call's prompt (the next power of two, at least 128 entries): a
+    300-token prompt on 512 entries, measured once for every prompt of 257 to 512 tokens; short prompts share 128."""
+    assert [cost_model.context_length(n) for n in (1, 128, 129, 300, 512, 513)] == [128, 128, 256, 512, 512, 1024]
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=4)
+    draft.bind_target(target)
+    timed, fed = [], []
+    measure_target, measure_draft = cost_model.measure_target_seconds, cost_model.measure_draft_seconds
+    monkeypatch.setattr(cost_model, "measure_target_seconds",
+                        lambda t, ids, *a, **k: timed.append(ids.shape[1]) or measure_target(t, ids, *a, **k))
+    monkeypatch.setattr(cost_model, "measure_draft_seconds",
+                        lambda d, **k: fed.append(k["context"]) or measure_draft(d, **k))
+    long = random_prompt(300, seed=6)
+    costs_long = measure_costs(target, draft, long, refresh=True)
+    assert timed == [512] and fed == [512]
+    assert measure_costs(target, draft, random_prompt(400, seed=7)) is costs_long  # same context length: kept
+    assert measure_costs(target, draft, random_prompt(20, seed=7), refresh=True) is not costs_long
+    assert timed == [512, 128] and fed == [512, 128]
+    cost_model.target_costs(target, long, sizes=(1, 4))
+    assert timed[-1] == 512
+
+
 # ---------------------------------------------------------------------------------------------------- sampling
 @pytest.mark.parametrize("broken", [False, True], ids=["auto", "negative_control"])
 def test_auto_sampling_keeps_target_distribution(broken, monkeypatch):

@@ -22,7 +22,7 @@ from .draft_steps import chain_step
 
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # target forward sizes (new tokens) timed by :func:`measure_costs`
 FEED_SIZES = (1, 4, 16)  # draft feed sizes timed by :func:`measure_costs`
-CONTEXT_TOKENS = 128  # cache length the forwards are timed on
+CONTEXT_TOKENS = 128  # the shortest cache length the forwards are timed on (see `context_length`)
 
 
 def synchronize(device) -> None:
@@ -276,28 +276,42 @@ _TARGET_SECONDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # ta
 _COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target -> {key: Eagle3Costs}
 
 
+def context_length(length: int) -> int:
+    """
+    The cache length a call whose prompt has ``length`` tokens is timed on: the next power of two at or above it, at
+    least :data:`CONTEXT_TOKENS`. Forwards cost more on a longer cache (attention reads every entry), so a long prompt's
+    rounds are priced at its length; one measurement serves every prompt between half its length and its length.
+
+    Args:
+        length (`int`): tokens of the call's prompt (padding included).
+    """
+    return max(CONTEXT_TOKENS, 1 << (max(1, int(length)) - 1).bit_length())
+
+
 def _context(input_ids: torch.LongTensor) -> torch.LongTensor:
-    """The first ``CONTEXT_TOKENS`` tokens of ``input_ids`` (repeated when it is shorter)."""
-    context = input_ids[:, :CONTEXT_TOKENS]
-    if context.shape[1] < CONTEXT_TOKENS:
-        context = context.repeat(1, math.ceil(CONTEXT_TOKENS / context.shape[1]))[:, :CONTEXT_TOKENS]
+    """``input_ids`` repeated or cut to :func:`context_length` of its length: the context its call is timed on."""
+    length = context_length(input_ids.shape[1])
+    context = input_ids[:, :length]
+    if context.shape[1] < length:
+        context = context.repeat(1, math.ceil(length / context.shape[1]))[:, :length]
     return context
 
 
 def target_costs(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, refresh: bool = False) -> dict:
     """
-    Seconds of a target forward of ``n`` new tokens for each ``n`` in ``sizes``: measured by
-    :func:`measure_target_seconds` on the first use of each target / device / dtype / batch size / sizes, then kept for
-    the process (chains and trees share it).
+    Seconds of a target forward of ``n`` new tokens for each ``n`` in ``sizes``, on a cache of
+    :func:`context_length` ``(L)`` entries: measured by :func:`measure_target_seconds` on the first use of each target /
+    device / dtype / batch size / context length / sizes, then kept for the process (chains and trees share it).
 
     Args:
         target (`PreTrainedModel`): the target.
-        input_ids (`torch.LongTensor` [B, L]): a context to time on (see :data:`CONTEXT_TOKENS`).
+        input_ids (`torch.LongTensor` [B, L]): the call's prompt, the context timed on (repeated or cut to its
+            :func:`context_length`).
         sizes (`tuple[int]`): numbers of new tokens.
         refresh (`bool`): measure again even when known.
     """
     param = next(target.parameters())
-    key = (str(param.device), str(param.dtype), input_ids.shape[0], tuple(sizes))
+    key = (str(param.device), str(param.dtype), input_ids.shape[0], context_length(input_ids.shape[1]), tuple(sizes))
     known = _TARGET_SECONDS.setdefault(target, {})
     if key not in known or refresh:
         known[key] = measure_target_seconds(target, _context(input_ids).to(param.device), sizes)
@@ -307,22 +321,24 @@ def target_costs(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, refres
 def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = False) -> Eagle3Costs:
     """
     The round costs of ``target`` with ``draft``: measured on the first use of each target / draft / device / dtype /
-    batch size, then kept for the process (a dozen target forwards on a ``CONTEXT_TOKENS``-token context).
+    batch size / context length, then kept for the process (a dozen target forwards and a few draft forwards on a
+    cache of :func:`context_length` entries).
 
     Args:
         target (`PreTrainedModel`): the target.
         draft (`Eagle3DraftModel`): the draft.
-        input_ids (`torch.LongTensor` [B, L]): a context to time on (its first ``CONTEXT_TOKENS`` tokens are used,
-            repeated when shorter).
+        input_ids (`torch.LongTensor` [B, L]): the call's prompt, the context timed on (repeated or cut to its
+            :func:`context_length`).
         refresh (`bool`): measure again even when known.
     """
     param = next(target.parameters())
-    key = (str(param.device), str(param.dtype), input_ids.shape[0], str(draft.fc.weight.dtype),
+    context = context_length(input_ids.shape[1])
+    key = (str(param.device), str(param.dtype), input_ids.shape[0], context, str(draft.fc.weight.dtype),
            tuple(draft.fc.weight.shape), tuple(draft.lm_head.weight.shape) if hasattr(draft, "lm_head") else None,
            draft.step_call(chain_step))  # the step the rounds run: one object per compile config, or eager
     known = _COSTS.setdefault(target, {})
     if key not in known or refresh:
         target_seconds = target_costs(target, input_ids, refresh=refresh)
-        feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0])
+        feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0], context=context)
         known[key] = Eagle3Costs(target=target_seconds, draft_feed=feed, draft_step=step)
     return known[key]
