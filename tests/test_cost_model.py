@@ -230,6 +230,8 @@ def test_a_long_prompt_is_priced_at_its_own_context_length(monkeypatch):
     """Forwards are timed on a cache as long as the call's prompt (the next power of two, at least 128 entries): a
     300-token prompt on 512 entries, measured once for every prompt of 257 to 512 tokens; short prompts share 128."""
     assert [cost_model.context_length(n) for n in (1, 128, 129, 300, 512, 513)] == [128, 128, 256, 512, 512, 1024]
+    prompts = [random_prompt(n, seed=n) for n in (20, 300, 90, 400, 200)]  # a benchmark warms up on 20, 300, 200
+    assert [p.shape[1] for p in cost_model.one_per_context_length(prompts)] == [20, 300, 200]
     target = target_of("llama")
     draft = tiny_draft(target, seed=4)
     draft.bind_target(target)

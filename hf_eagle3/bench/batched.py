@@ -2,7 +2,8 @@
 the same left-padded batches, with the ratios to plain batched ``generate`` of the same batch size (greedy).
 
 For every batch size the prompts are cut into consecutive batches; for every batch each strategy runs in turn
-(interleaved, so that a change of machine load hits all alike), after one warm-up call per strategy and batch size.
+(interleaved, so that a change of machine load hits all alike), after warm-up calls per strategy and batch size (one per
+context length the batches have, so that no timed call measures costs).
 Every row of every strategy's output is compared with plain batched ``generate``'s.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hf_eagle3.bench.strategies import TREE_SHAPES, build_strategies
-from hf_eagle3.core.cost_model import synchronize
+from hf_eagle3.core.cost_model import one_per_context_length, synchronize
 from hf_eagle3.loading import encode_prompt
 
 # Families that run on batches (prompt-lookup decoding is Transformers' assisted loop, batch 1 only).
@@ -89,12 +90,12 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
         if not batches:
             raise ValueError(f"--batch-sizes {size}: only {len(encoded)} prompts; raise --num-prompts.")
         totals = {s.name: {"seconds": 0.0, "new_tokens": 0, "stats": None} for s in strategies}
-        for s in strategies:  # warm-up (and the "auto" costs of this batch size)
-            ids, mask = batches[0]
+        for s in strategies:  # warm-up (and the "auto" costs of this batch size, at every context length)
             kwargs = dict(s.generate_kwargs, assistant_model=draft) if s.uses_draft else dict(s.generate_kwargs)
-            with s.applied_to(draft):
-                target.generate(ids, attention_mask=mask, max_new_tokens=min(8, max_new_tokens), do_sample=False,
-                                **kwargs)
+            for ids, mask in one_per_context_length(batches, length=lambda batch: batch[0].shape[1]):
+                with s.applied_to(draft):
+                    target.generate(ids, attention_mask=mask, max_new_tokens=min(8, max_new_tokens), do_sample=False,
+                                    **kwargs)
         for b, (ids, mask) in enumerate(batches):
             reference = None
             for s in strategies:

@@ -27,7 +27,7 @@ from hf_eagle3.bench.strategies import (
     parse_tree_shapes,
     register_strategy,
 )
-from hf_eagle3.core.cost_model import measure_target_seconds, synchronize
+from hf_eagle3.core.cost_model import measure_target_seconds, one_per_context_length, synchronize
 from hf_eagle3.environment import environment_record
 from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target
 
@@ -73,7 +73,8 @@ def run_bench(
     """Time every strategy on the same prompts, greedy and (when ``temperature > 0``) sampled.
 
     For each mode the loop runs prompt by prompt and, for each prompt, every strategy in turn, so that a change of
-    machine load affects all strategies alike. Each strategy is warmed up once (a short greedy call) first. Each
+    machine load affects all strategies alike. Each strategy is warmed up first (a short greedy call per
+    context length the prompts have, so that no timed call measures costs). Each
     ``generate`` call is timed with ``time.perf_counter``. Sampled calls reseed with ``seed + prompt index``.
     Greedy outputs of every strategy are compared token by token with plain ``generate``.
 
@@ -108,14 +109,14 @@ def run_bench(
     modes = ["greedy"] + (["sampled"] if temperature and temperature > 0 else [])
     encoded = [encode_prompt(tokenizer, p).to(target.device) for p in prompts]
 
-    for strategy in strategies:  # warm-up
+    for strategy in strategies:  # warm-up, and the "auto" costs of every context length the prompts have
         kwargs = dict(strategy.generate_kwargs)
         if strategy.uses_draft:
             kwargs["assistant_model"] = draft
-        ids = encoded[0]
-        with strategy.applied_to(draft):
-            target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(8, max_new_tokens),
-                            do_sample=False, **kwargs)
+        for ids in one_per_context_length(encoded):
+            with strategy.applied_to(draft):
+                target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(8, max_new_tokens),
+                                do_sample=False, **kwargs)
 
     costs = measure_target_seconds(target, encoded[0], tuple(cost_sizes)) if cost_sizes else {}
 

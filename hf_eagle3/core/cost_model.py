@@ -288,6 +288,21 @@ def context_length(length: int) -> int:
     return max(CONTEXT_TOKENS, 1 << (max(1, int(length)) - 1).bit_length())
 
 
+def one_per_context_length(prompts: list, length=lambda ids: ids.shape[1]) -> list:
+    """
+    The first of ``prompts`` at each :func:`context_length`: calls on these measure every cost that calls on all of
+    them use (how a benchmark warms up before it times).
+
+    Args:
+        prompts (`list`): prompts, e.g. `torch.LongTensor` [B, L] each.
+        length (`Callable`): a prompt's length in tokens (default: ``ids.shape[1]``).
+    """
+    first = {}
+    for prompt in prompts:
+        first.setdefault(context_length(length(prompt)), prompt)
+    return list(first.values())
+
+
 def _context(input_ids: torch.LongTensor) -> torch.LongTensor:
     """``input_ids`` repeated or cut to :func:`context_length` of its length: the context its call is timed on."""
     length = context_length(input_ids.shape[1])
