@@ -33,18 +33,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per setting (the fastest is kept)")
     parser.add_argument("--out", default="context_costs.json")
     args = parser.parse_args()
-    from long_context import long_prompt
+    from long_context import long_prompt, smollm2_and_draft
 
-    import hf_eagle3  # noqa: F401  (installs the generate hook)
     from hf_eagle3.core import cost_model
     from hf_eagle3.core.tree_policy import AUTO_SIZES
-    from hf_eagle3.loading import load_draft
-    from hf_eagle3.smollm2 import load_smollm2
 
-    print(cpu_description(), flush=True)
-    target, tok = load_smollm2()
-    draft, _, _ = load_draft(None, target)
-    target.generation_config.eos_token_id = None  # every call runs its tokens
+    target, tok, draft = smollm2_and_draft()
     settings = {"chain auto": dict(num_assistant_tokens_schedule="auto"),
                 "tree auto": dict(tree_top_k=4, tree_depth=5, tree_total_tokens="auto")}
     context_length = cost_model.context_length

@@ -72,6 +72,19 @@ def long_prompt(tok, tokens: int) -> torch.LongTensor:
     return ids[:, -tokens:] if ids.shape[1] > tokens else ids
 
 
+def smollm2_and_draft():
+    """SmolLM2 (EOS off, so that every call runs its tokens), its tokenizer and the shipped draft, the CPU printed."""
+    import hf_eagle3  # noqa: F401  (installs the generate hook)
+    from hf_eagle3.loading import load_draft
+    from hf_eagle3.smollm2 import load_smollm2
+
+    print(cpu_description(), flush=True)
+    target, tok = load_smollm2()
+    draft, _, _ = load_draft(None, target)
+    target.generation_config.eos_token_id = None
+    return target, tok, draft
+
+
 def timed(target, ids, **kwargs) -> tuple[float, int]:
     """Seconds of one ``generate`` call and its target forwards (rounds)."""
     draft = kwargs.get("assistant_model")
@@ -90,14 +103,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", default="16,48", help="the two max_new_tokens (default 16,48)")
     parser.add_argument("--out", default="long_context.json")
     args = parser.parse_args()
-    import hf_eagle3  # noqa: F401  (installs the generate hook)
-    from hf_eagle3.loading import load_draft
-    from hf_eagle3.smollm2 import load_smollm2
-
-    print(cpu_description(), flush=True)
-    target, tok = load_smollm2()
-    draft, _, _ = load_draft(None, target)
-    target.generation_config.eos_token_id = None  # every call runs its tokens
+    target, tok, draft = smollm2_and_draft()
     short, long = (int(x) for x in args.new_tokens.split(","))
     from hf_eagle3.core import target_cache
 
