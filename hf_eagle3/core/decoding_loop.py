@@ -115,7 +115,7 @@ def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None) -> Eag
     return Eagle3DraftLengthPolicy.from_carried(measure_costs(model, draft, input_ids), carried)
 
 
-def check_batch(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> list:
+def check_rows(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> list:
     """
     Check, before any work, what the loop needs of its rows (left padding, at least one token each; for more than one
     row, every entry inside a sliding window), and return the number of left pads of each row.
@@ -264,7 +264,7 @@ class _Loop:
         name = "EAGLE-3 tree decoding" if self.single else "Batched EAGLE-3 decoding"
         self.cache_key, self.cache = decoding_cache(model_kwargs, generation_config, name)
         self.attention_mask = model_kwargs.get("attention_mask")
-        self.pads = check_batch(input_ids, self.attention_mask, generation_config, self.cache, self.shape["most"] + 1)
+        self.pads = check_rows(input_ids, self.attention_mask, generation_config, self.cache, self.shape["most"] + 1)
         if self.single and hasattr(self.cache, "activate_past_recording"):
             self.cache.activate_past_recording()  # sliding layers keep what a rollback needs until the gather
         self.window = sliding_window(self.cache)

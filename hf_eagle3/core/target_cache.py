@@ -321,7 +321,8 @@ def batch_tree_mask(cache, valid: torch.BoolTensor, trees: list, nodes: int, dty
 
     Returns:
         A float tensor [B, 1, nodes, T + nodes]; for models with both full and sliding layers, the same mask under
-        ``"full_attention"`` and ``"sliding_attention"`` (nothing is ever outside the window, see :func:`check_batch`).
+        ``"full_attention"`` and ``"sliding_attention"`` (nothing is ever outside the window, see
+        :func:`~hf_eagle3.core.decoding_loop.check_rows`).
     """
     device = valid.device
     tree = torch.eye(nodes, dtype=torch.bool, device=device).repeat(len(trees), 1, 1)
