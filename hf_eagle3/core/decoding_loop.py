@@ -138,7 +138,8 @@ def check_rows(input_ids: torch.LongTensor, attention_mask, generation_config, c
             "below it. Generate fewer tokens, or decode the rows one at a time (batch 1 has no such limit)."
         )
     if input_ids.shape[1] == 0:
-        raise ValueError("EAGLE-3 decoding needs `input_ids` (a prompt given only as `inputs_embeds` is not supported).")
+        raise ValueError("EAGLE-3 decoding needs `input_ids` (a prompt given only as `inputs_embeds` is not "
+                         "supported).")
     if attention_mask is None:
         return [0] * input_ids.shape[0]
     mask = attention_mask.bool()
