@@ -181,6 +181,24 @@ def test_eos_and_max_new_tokens_inside_a_round():
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_masked_positions_inside_the_prompt(arch):
+    """One row whose mask has zeros between real tokens (as ``generate`` infers from pad tokens inside a prompt given
+    without a mask): they stay masked, as in plain ``generate``."""
+    target = target_of(arch)
+    ids = prompt(18, seed=9)
+    mask = torch.ones_like(ids)
+    mask[:, [4, 5, 11]] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, return_dict_in_generate=True, output_logits=True)
+    ref = greedy(target, ids, **kwargs)
+    unmasked = greedy(target, ids, max_new_tokens=1, return_dict_in_generate=True, output_logits=True)
+    assert not torch.allclose(ref.logits[0], unmasked.logits[0], atol=1e-3)  # the mask matters
+    out = greedy(target, ids, assistant_model=draft_of(arch), **kwargs, **tree(2, 4, 8))
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_left_padded_prompt(arch):
     """A 2D attention mask with zeros (left padding, batch of one) stays masked in the tree forwards."""
     target = target_of(arch)

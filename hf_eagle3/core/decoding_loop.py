@@ -117,8 +117,10 @@ def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None) -> Eag
 
 def check_rows(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> list:
     """
-    Check, before any work, what the loop needs of its rows (left padding, at least one token each; for more than one
-    row, every entry inside a sliding window), and return the number of left pads of each row.
+    Check, before any work, what the loop needs of its rows (for more than one row: left padding, at least one token
+    each, every entry inside a sliding window), and return the number of left pads of each row, the positions the
+    draft does not read. One row may have masked positions anywhere (a mask ``generate`` inferred from pad tokens in
+    the prompt, say): they stay masked in the target's attention, and the draft reads every position (no pads).
 
     Args:
         input_ids (`torch.LongTensor` [B, L]): the padded prompts.
@@ -146,6 +148,8 @@ def check_rows(input_ids: torch.LongTensor, attention_mask, generation_config, c
     real = mask.sum(-1)
     pads = (mask.shape[1] - real).cpu()
     left_padded = (mask.long().cumsum(-1) == 0).sum(-1).cpu() == pads
+    if input_ids.shape[0] == 1 and not bool(left_padded.all()) and bool(real.all()):
+        return [0]
     if not bool(left_padded.all()) or bool((real == 0).any()):
         raise ValueError("EAGLE-3 decoding needs left-padded prompts with at least one token each "
                          "(tokenizer.padding_side = 'left'); the attention mask has zeros after a real token.")
@@ -295,6 +299,7 @@ class _Loop:
         self.device, self.dtype = input_ids.device, model.dtype
         self.rows, self.finished = [], [None] * input_ids.shape[0]
         self.valid = self.positions = None
+        self.masked = False  # one row: whether its prompt has masked positions
 
     def _features(self) -> torch.Tensor:
         """The target features of its last forward, on the draft's device and in its dtype (the capture cleared)."""
@@ -317,6 +322,7 @@ class _Loop:
         features = self._features()
         self.valid = (self.attention_mask.bool() if self.attention_mask is not None
                       else torch.ones(input_ids.shape, dtype=torch.bool, device=self.device))
+        self.masked = self.single and self.attention_mask is not None and not bool(self.valid.all())
         position_ids = self.model_kwargs.get("position_ids")  # each row's next position: after its last one given,
         self.positions = (position_ids[:, -1] + 1 if position_ids is not None  # else its real tokens so far
                           else self.valid.sum(-1))
@@ -391,7 +397,7 @@ class _Loop:
         if self.single:  # a mask per layer kind: sliding layers past their window see only its last entries
             tree = trees[0]
             mask = tree_attention_mask(self.cache, tree.ancestors.to(device), depths[0],
-                                       self.valid[0] if self.pads[0] else None, self.dtype)
+                                       self.valid[0] if self.masked else None, self.dtype)
         else:
             mask = batch_tree_mask(self.cache, self.valid, trees, nodes, self.dtype)
         outputs = self.model(
