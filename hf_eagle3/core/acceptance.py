@@ -228,11 +228,11 @@ def read_back(planes: torch.Tensor, ranking: torch.Tensor | None = None) -> tupl
     """
     The round's one read-back: ``planes`` (from :func:`round_planes`, one row ``[P, n]`` or stacked rows
     ``[B, P, N]``) as nested host lists and, in the same transfer, the candidate ranking that sizes the next round's
-    tree (``tree_total_tokens="auto"``: path probabilities and depths by rank).
+    tree (``tree_total_tokens="auto"``: the sorted path probabilities and the frontier masses per level).
 
     Args:
         planes (`torch.LongTensor`): the planes.
-        ranking (`torch.Tensor` [R, M], *optional*): non-negative values below ``2**39`` (probabilities, depths).
+        ranking (`torch.Tensor` [R, M], *optional*): non-negative values below ``2**39`` (probabilities, masses).
 
     Returns:
         ``(planes as nested lists, ranking as nested lists of floats or None)``; the ranking comes back rounded to
@@ -283,7 +283,7 @@ def clip_new_tokens(tokens: list[int], room: int, eos: set) -> list[int]:
 def accept_row(host: list, logits: torch.Tensor, do_sample: bool, processed, process, room: int,
                eos: set) -> tuple[TreeWalk, list[int]]:
     """
-    One sequence's acceptance after the round's read-back (both loops, every row): :func:`walk_planes` over its tree,
+    One sequence's acceptance after the round's read-back (every row of the loop): :func:`walk_planes` over its tree,
     then its new tokens (the accepted drafts and the target's bonus) cut by :func:`clip_new_tokens`.
 
     Args:

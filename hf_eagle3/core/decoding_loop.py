@@ -242,7 +242,8 @@ class _Loop:
     r"""
     The state of one EAGLE-3 ``generate`` call of the package's loop and its steps (see :func:`eagle3_decoding`).
 
-    The target cache's rows carry a validity mask (``valid`` [B, T]: left padding and holes are False) and each row's
+    The target cache's rows carry a validity mask (``valid`` [B, T]: left padding and holes are False; for one row,
+    kept up to date only when its prompt has masked positions, the mask's one use there) and each row's
     next position (``positions`` [B]); ``rows`` are the unfinished rows, in cache order.
 
     Args:
@@ -458,7 +459,8 @@ class _Loop:
         if self.single:
             gather_cache(self.cache, torch.tensor(kept[0], dtype=torch.long, device=self.device),
                          one.trees[0].tokens.shape[0])
-            self.valid = torch.cat([self.valid, self.valid.new_ones(1, width)], dim=1)
+            if self.masked:  # the only use of a row's validity mask: its prompt's masked positions
+                self.valid = torch.cat([self.valid, self.valid.new_ones(1, width)], dim=1)
             self.positions = self.positions + width
             return
         if not (self.cache.get_seq_length() == start + width and all(p == list(range(width)) for p in kept)):

@@ -138,8 +138,7 @@ class TreeSizeChooser:
                            draft_forwards: int, round_seconds: float, most: int, feed_seconds: float = 0.0,
                            fed: int = 1) -> tuple[int, int]:
         """
-        Record a round that verified a tree and size the next one from its candidates (both loops, after the round's
-        read-back).
+        Record a round that verified a tree and size the next one from its candidates (after the round's read-back).
 
         Args:
             ranking (`list`): the read-back ``tree_drafter.candidate_ranking``: sorted path probabilities, then
