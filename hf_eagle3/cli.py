@@ -100,10 +100,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--strategies", default=None,
                    help="comma-separated strategy families (default: all registered: plain, prompt_lookup, "
                         "eagle3_chain, eagle3_tree)")
-    p.add_argument("--compile-draft", action="store_true",
+    p.add_argument("--compile-draft", nargs="?", const="default", default=None, metavar="MODES",
                    help="also run every EAGLE-3 strategy with its drafting steps under torch.compile "
-                        "(draft.generation_config.compile_config = CompileConfig(mode='default')), side by side with "
-                        "the eager one; the warm-up compiles (default: off)")
+                        "(draft.generation_config.compile_config = CompileConfig(mode=MODE)), side by side with "
+                        "the eager one, once per comma-separated mode (default when given without a value: "
+                        "'default', dynamic steps; 'reduce-overhead': static steps, CUDA graphs on a GPU); the "
+                        "warm-up compiles (default: off)")
     p.add_argument("--quick", action="store_true",
                    help="CI-sized run: 20 prompts, 16 new tokens, k in 1,3,5, greedy only (explicit options still win)")
     p.add_argument("--batch-sizes", default=None,

@@ -283,11 +283,12 @@ def test_demo_exit_code_fails_on_a_float32_mismatch_only(monkeypatch):
 
 def test_bench_compiled_draft_rows_side_by_side(tmp_path, monkeypatch):
     """``--compile-draft``: every EAGLE-3 strategy also runs with compiled drafting steps, right after its eager twin,
-    with the same output and acceptance (``aot_eager`` here: the eager kernels); the draft's config is restored."""
+    once per mode (dynamic and static steps), with the same output and acceptance (``aot_eager`` here: the eager
+    kernels); the draft's config is restored."""
     from hf_eagle3.bench import batched as bench_batched
     from hf_eagle3.core.modeling_eagle3 import Eagle3DraftModel
 
-    monkeypatch.setattr(bench_strategies, "COMPILE_OPTIONS", {"backend": "aot_eager", "mode": None})
+    monkeypatch.setattr(bench_strategies, "COMPILE_OPTIONS", {"backend": "aot_eager"})
     compiled_calls = []
     original = Eagle3DraftModel.step_call
 
@@ -302,14 +303,18 @@ def test_bench_compiled_draft_rows_side_by_side(tmp_path, monkeypatch):
     prompts = loading.load_prompts(write_prompts(tmp_path / "question.jsonl"), 2)
     report = bench.run_bench(target, draft, ByteTokenizer(), prompts, max_new_tokens=8, ks=(2,), temperature=0,
                              families=["eagle3_chain", "eagle3_tree"], tree_shapes=((2, 2, 3),), cost_sizes=(),
-                             progress=False, compile_draft=True)
+                             progress=False, compile_draft="default,reduce-overhead")
     names = [r["strategy"] for r in report["results"]]
-    assert names == ["plain", "eagle3-chain k=2", "eagle3-chain k=2 compiled", "eagle3-tree k=2 d=2 n=3",
-                     "eagle3-tree k=2 d=2 n=3 compiled"]
-    assert report["greedy_identical"] and report["settings"]["compile_draft"] is True
+    assert names == ["plain", "eagle3-chain k=2", "eagle3-chain k=2 compiled",
+                     "eagle3-chain k=2 compiled reduce-overhead", "eagle3-tree k=2 d=2 n=3",
+                     "eagle3-tree k=2 d=2 n=3 compiled", "eagle3-tree k=2 d=2 n=3 compiled reduce-overhead"]
+    assert report["greedy_identical"] and report["settings"]["compile_draft"] == ["default", "reduce-overhead"]
     rows = {r["strategy"]: r for r in report["results"]}
     for name in ("eagle3-chain k=2", "eagle3-tree k=2 d=2 n=3"):
         assert rows[f"{name} compiled"]["stats"] == rows[name]["stats"]
+        assert rows[f"{name} compiled reduce-overhead"]["stats"] == rows[name]["stats"]
+    with pytest.raises(ValueError, match="unknown torch.compile mode"):
+        bench_strategies.compile_modes("default,fast")
     assert True in compiled_calls and False in compiled_calls
     assert draft.generation_config.compile_config is None
     batched = bench_batched.run_batched_bench(target, draft, ByteTokenizer(), ["ab", "abcd"], batch_sizes=(2,),

@@ -5,10 +5,13 @@ steps draft.
 Each path is run twice on the same prompt, eager and compiled (``aot_eager``: dynamo's graph capture without a code
 generator, numerically the eager kernels), and what the drafter proposes every round is recorded outside the compiled
 region: the proposals must be identical, the output identical to the target alone, and compiled graphs must have run.
-A longer call after a shorter one compiles nothing new (the steps are compiled with dynamic shapes, not once per
-length). Sampled calls with the same seed give the same tokens (the acceptance rule reads the compiled draft's
-probabilities). Inductor (the default backend, which generates C++ on a CPU) runs under ``slow``. A mode that captures
-CUDA graphs is refused for a CUDA draft, with the fix.
+A longer call after a shorter one compiles nothing new. Every check runs with both kinds of compiled steps: dynamic
+(``mode=None``: shapes that grow with the cache) and static (``mode="reduce-overhead"``, the mode that captures CUDA
+graphs: preallocated caches read over their full capacity, positions as device tensors), for which one graph serves
+every step of a call and the cache buffers keep their addresses from call to call. Sampled calls with the same seed
+give the same tokens (the acceptance rule reads the compiled draft's probabilities). Inductor (the default backend,
+which generates C++ on a CPU) runs under ``slow``. ``dynamic=True`` with a mode that captures CUDA graphs is refused
+for a CUDA draft, with the fix.
 """
 
 from __future__ import annotations
@@ -20,10 +23,15 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from hf_eagle3.core import batch_drafter, candidate_generator, draft_length_policy, tree_policy
+from hf_eagle3.core.draft_cache import Eagle3RowCache
+from hf_eagle3.core.draft_state import Eagle3DraftState
 from hf_eagle3.core.draft_steps import batch_tree_level, chain_step
-from hf_eagle3.core.modeling_eagle3 import Eagle3DraftModel, check_step_compile
+from hf_eagle3.core.modeling_eagle3 import Eagle3DraftModel, check_step_compile, wants_static_steps
 
 CAPTURE = CompileConfig(backend="aot_eager", mode=None, fullgraph=True)  # fullgraph: a graph break fails the test
+# Static steps: the mode that captures CUDA graphs on a CUDA device (aot_eager ignores the mode itself).
+STATIC = CompileConfig(backend="aot_eager", mode="reduce-overhead", fullgraph=True)
+CONFIGS = {"dynamic": CAPTURE, "static": STATIC}
 EAGER_STEPS = (chain_step, batch_tree_level)
 PATHS = {
     "chain": dict(num_assistant_tokens=4, num_assistant_tokens_schedule="constant"),
@@ -97,19 +105,21 @@ def run(target, draft, ids, config, proposals, **kwargs):
     return out, drafts, counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.parametrize("kind", list(CONFIGS))
 @pytest.mark.parametrize("path", list(PATHS))
-def test_compiled_steps_draft_what_eager_steps_draft(pair, proposals, scripted_auto, path):
+def test_compiled_steps_draft_what_eager_steps_draft(pair, proposals, scripted_auto, path, kind):
     target, draft = pair
     ids = random_prompt(9, seed=3)
     plain = target.generate(ids, do_sample=False, max_new_tokens=24)
     eager, eager_drafts, eager_graphs = run(target, draft, ids, None, proposals, max_new_tokens=24, **PATHS[path])
-    compiled, compiled_drafts, _ = run(target, draft, ids, CAPTURE, proposals, max_new_tokens=24, **PATHS[path])
+    compiled, compiled_drafts, _ = run(target, draft, ids, CONFIGS[kind], proposals, max_new_tokens=24,
+                                       **PATHS[path])
     assert eager_graphs == 0
     assert torch.equal(eager, plain) and torch.equal(compiled, plain)
     assert len(eager_drafts) >= 5
     assert compiled_drafts == eager_drafts
-    # A longer call reuses the graphs: nothing is compiled per length.
-    longer, _, more = run(target, draft, ids, CAPTURE, proposals, max_new_tokens=48, **PATHS[path])
+    # A longer call reuses the graphs: nothing is compiled per length (static: the same capacity bucket).
+    longer, _, more = run(target, draft, ids, CONFIGS[kind], proposals, max_new_tokens=48, **PATHS[path])
     assert torch.equal(longer, target.generate(ids, do_sample=False, max_new_tokens=48))
     assert more == 0
 
@@ -129,8 +139,9 @@ def test_compiled_steps_run(pair):
     assert torch.equal(out, target.generate(random_prompt(7, seed=4), do_sample=False, max_new_tokens=12))
 
 
+@pytest.mark.parametrize("kind", list(CONFIGS))
 @pytest.mark.parametrize("path", ["chain", "tree"])
-def test_batched_compiled_steps_draft_what_eager_steps_draft(pair, proposals, path):
+def test_batched_compiled_steps_draft_what_eager_steps_draft(pair, proposals, path, kind):
     target, draft = pair
     ids = torch.randint(4, 256, (3, 10), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
@@ -139,7 +150,7 @@ def test_batched_compiled_steps_draft_what_eager_steps_draft(pair, proposals, pa
     plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
     eager, eager_drafts, _ = run(target, draft, ids, None, proposals, attention_mask=mask, max_new_tokens=20,
                                  **PATHS[path])
-    compiled, compiled_drafts, _ = run(target, draft, ids, CAPTURE, proposals, attention_mask=mask,
+    compiled, compiled_drafts, _ = run(target, draft, ids, CONFIGS[kind], proposals, attention_mask=mask,
                                        max_new_tokens=20, **PATHS[path])
     assert torch.equal(eager, plain) and torch.equal(compiled, plain)
     assert len(eager_drafts) >= 5
@@ -152,7 +163,7 @@ def test_sampled_compiled_drafting_gives_the_eager_tokens(pair, path):
     target, draft = pair
     ids = random_prompt(8, seed=6)
     outs = []
-    for config in (None, CAPTURE):
+    for config in (None, CAPTURE, STATIC):
         draft.generation_config.compile_config = config
         torch.manual_seed(11)
         try:
@@ -160,7 +171,7 @@ def test_sampled_compiled_drafting_gives_the_eager_tokens(pair, path):
                                         assistant_model=draft, **PATHS[path]))
         finally:
             draft.generation_config.compile_config = None
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_disable_compile_and_no_config_run_eager(pair):
@@ -178,25 +189,73 @@ def test_disable_compile_and_no_config_run_eager(pair):
         draft.generation_config.disable_compile = None
 
 
-def test_cuda_graph_modes_are_refused_on_cuda_with_the_fix():
+@pytest.mark.parametrize("path", ["chain", "tree"])
+def test_static_steps_compile_once_and_keep_their_buffers(pair, path):
+    """Static steps: one graph serves every step of a call (positions grow, shapes do not, no Python number is baked
+    in), and a second call reuses the first one's cache buffers (the same addresses, which CUDA graphs replay)."""
+    target, draft = pair
+    ids = random_prompt(9, seed=8)
+    torch.compiler.reset()
+    draft.static_kv_buffers.clear()
+    draft.generation_config.compile_config = STATIC
+    try:
+        counters.clear()
+        first = target.generate(ids, do_sample=False, max_new_tokens=40, assistant_model=draft, **PATHS[path])
+        assert counters["stats"]["unique_graphs"] == 1
+        assert len(draft.static_kv_buffers) == 1
+        buffers = [t.data_ptr() for t in next(iter(draft.static_kv_buffers.values()))]
+        counters.clear()
+        second = target.generate(random_prompt(12, seed=9), do_sample=False, max_new_tokens=30,
+                                 assistant_model=draft, **PATHS[path])
+        assert counters["stats"]["unique_graphs"] == 0
+        assert [t.data_ptr() for t in next(iter(draft.static_kv_buffers.values()))] == buffers
+        assert len(draft.static_kv_buffers) == 1
+    finally:
+        draft.generation_config.compile_config = None
+    assert torch.equal(first, target.generate(ids, do_sample=False, max_new_tokens=40))
+    assert torch.equal(second, target.generate(random_prompt(12, seed=9), do_sample=False, max_new_tokens=30))
+
+
+def test_which_configs_make_static_steps_and_which_are_refused():
+    assert wants_static_steps(CompileConfig())  # Transformers' default: "reduce-overhead", dynamic unset
+    assert wants_static_steps(CompileConfig(mode="max-autotune"))
+    assert wants_static_steps(CompileConfig(mode="default", dynamic=False))
+    assert not wants_static_steps(CompileConfig(mode="default"))
+    assert not wants_static_steps(CompileConfig(mode="max-autotune-no-cudagraphs"))
+    assert not wants_static_steps(CompileConfig(mode="reduce-overhead", dynamic=True))
     for mode in ("reduce-overhead", "max-autotune"):
-        with pytest.raises(ValueError, match="mode='default'"):
-            check_step_compile(CompileConfig(mode=mode), torch.device("cuda"))
-        check_step_compile(CompileConfig(mode=mode), torch.device("cpu"))  # no CUDA graphs on a CPU
-    check_step_compile(CompileConfig(mode="default"), torch.device("cuda"))
-    check_step_compile(CompileConfig(mode="max-autotune-no-cudagraphs"), torch.device("cuda"))
+        check_step_compile(CompileConfig(mode=mode), torch.device("cuda"))  # static steps: captured once
+        with pytest.raises(ValueError, match="Leave dynamic unset"):
+            check_step_compile(CompileConfig(mode=mode, dynamic=True), torch.device("cuda"))
+        check_step_compile(CompileConfig(mode=mode, dynamic=True), torch.device("cpu"))  # no CUDA graphs on a CPU
+    check_step_compile(CompileConfig(mode="default", dynamic=True), torch.device("cuda"))
+
+
+def test_static_cache_refuses_to_grow_and_needs_a_capacity(pair):
+    _, draft = pair
+    cache = Eagle3RowCache(1, 8, static_buffers={})
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        cache.place_shared(7, torch.ones(1, 1, 2, 9, dtype=torch.bool))
+    draft.generation_config.compile_config = STATIC
+    try:
+        with pytest.raises(ValueError, match="capacity"):
+            Eagle3DraftState(draft)
+        assert Eagle3DraftState(draft, capacity=300).cache.capacity == 512  # its size bucket
+    finally:
+        draft.generation_config.compile_config = None
 
 
 @pytest.mark.slow
-def test_inductor_compiled_drafting_is_lossless(pair, proposals):
-    """The default backend (C++ code generated for the CPU): output identical to the target alone, and the drafts
-    agree with the eager ones (inductor may round differently, so near-ties may rarely flip)."""
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_inductor_compiled_drafting_is_lossless(pair, proposals, mode):
+    """The default backend (C++ code generated for the CPU), dynamic and static steps: output identical to the target
+    alone, and the drafts agree with the eager ones (inductor may round differently, so near-ties may rarely flip)."""
     target, draft = pair
     ids = random_prompt(9, seed=7)
     plain = target.generate(ids, do_sample=False, max_new_tokens=24)
     for path in ("chain", "tree"):
         _, eager_drafts, _ = run(target, draft, ids, None, proposals, max_new_tokens=24, **PATHS[path])
-        out, drafts, graphs = run(target, draft, ids, CompileConfig(mode="default"), proposals, max_new_tokens=24,
+        out, drafts, graphs = run(target, draft, ids, CompileConfig(mode=mode), proposals, max_new_tokens=24,
                                   **PATHS[path])
         assert torch.equal(out, plain)
         assert graphs >= 1

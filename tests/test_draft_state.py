@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_draft, tiny_target
 
 from hf_eagle3.core.draft_state import Eagle3DraftState
+from hf_eagle3.core.draft_steps import chain_step
 from hf_eagle3.core.tree_drafter import DraftTree
 
 
@@ -52,7 +53,7 @@ def test_collect_keeps_the_verified_entries_only():
     state, _, features, tokens = state_and_inputs()
     state.collect(FakeCapture(features), tokens[:3])  # the forward's first 3 entries are verified
     kept, kept_tokens = state.pending()
-    assert torch.equal(kept, features[:, :3]) and torch.equal(kept_tokens, tokens[:3])
+    assert torch.equal(kept, features[:, :3]) and torch.equal(kept_tokens, tokens[None, :3])
     state.collect(FakeCapture(features), tokens[:0])  # nothing verified: nothing pending
     assert state.num_pending == 3
 
@@ -62,8 +63,8 @@ def test_feed_drops_speculative_entries_and_bookkeeping_is_checked():
     with torch.no_grad():
         state.add(features[:, :5], tokens[:5])
         out = state.feed()
-        draft(input_ids=tokens[5:7][None], hidden_states=out.hidden_states[:, -1:].expand(1, 2, -1),
-              cache=state.cache)  # drafted (speculative) entries
+        for p in (5, 6):  # drafted (speculative) entries
+            out = state.step(chain_step, tokens[p : p + 1][None], out.hidden_states[:, -1:], p)
         assert state.cache.get_seq_length() == 7
         state.add(features[:, 5:6], tokens[5:6])
         state.feed()

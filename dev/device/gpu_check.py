@@ -11,8 +11,9 @@ Stages, in order of importance (each is skipped, and says so, when the budget le
    shape (draft vocabulary 32k), the oracle's speed-ups for chains k = 1..7, ``"auto"`` and three trees.
 3. ``batched_bf16``: the same target in bfloat16 on batches of 1, 2, 4 and 8 rows with a random draft (nothing is
    accepted): the decoding loop's cost per round against plain batched ``generate``.
-4. ``compiled_bf16``: the oracle stage's target and draft, chains k = 3 and 5 and a tree, with the draft's steps eager
-   and then under ``torch.compile`` (``CompileConfig(mode="default")``; a short call compiles first), side by side.
+4. ``compiled_bf16``: the oracle stage's target and draft, chains k = 3 and 5 and a tree, with the draft's steps eager,
+   under ``torch.compile`` with dynamic shapes (``CompileConfig(mode="default")``) and as static steps captured as
+   CUDA graphs (``CompileConfig(mode="reduce-overhead")``), side by side (a short call compiles / captures first).
 
 Writes ``gpu_check.md`` and ``gpu_check.json`` to ``--out`` after every stage, so a run cut short keeps what it
 finished. Exit code 1 when an output differs from plain ``generate``.
@@ -179,7 +180,8 @@ def batched_bf16(args):
 
 
 def compiled_bf16(args):
-    """Stage 4: eager against compiled drafting steps under the oracle, bfloat16, the same prompts."""
+    """Stage 4: eager against compiled drafting steps (dynamic, and static in CUDA graphs) under the oracle, bfloat16,
+    the same prompts."""
     from transformers import CompileConfig
 
     shape = "tiny" if args.small else "llama-3.1-8b"
@@ -190,7 +192,8 @@ def compiled_bf16(args):
     new = 16 if args.small else args.oracle_new_tokens
     options = dict(ks=(3, 5), auto=False, tree_shapes=((4, 4, 8),), progress=False)
     reports = {}
-    for name, config in (("eager", None), ("compiled", CompileConfig(mode="default"))):
+    for name, config in (("eager", None), ("compiled", CompileConfig(mode="default")),
+                         ("cuda graphs", CompileConfig(mode="reduce-overhead"))):
         draft.generation_config.compile_config = config
         with torch.no_grad():
             run_oracle_bench(target, draft, prompts[:1], parse_profile("llama3-8b"), max_new_tokens=8,
@@ -219,7 +222,7 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", default="identity,oracle_bf16,batched_bf16,compiled_bf16")
     args = parser.parse_args(argv)
     check = Check(args)
-    needs = {"identity": 0, "oracle_bf16": 90, "batched_bf16": 40, "compiled_bf16": 90}
+    needs = {"identity": 0, "oracle_bf16": 90, "batched_bf16": 40, "compiled_bf16": 120}
     bodies = {"identity": identity, "oracle_bf16": oracle_bf16, "batched_bf16": batched_bf16,
               "compiled_bf16": compiled_bf16}
     for name in args.stages.split(","):

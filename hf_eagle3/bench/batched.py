@@ -53,7 +53,7 @@ def new_tokens(out: torch.LongTensor, prompt_width: int, eos: set) -> list[list[
 
 def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=(1, 2, 4, 8), max_new_tokens: int = 64,
                       ks=(1, 3, 5), families=None, tree_shapes=TREE_SHAPES, progress: bool = True,
-                      compile_draft: bool = False) -> dict:
+                      compile_draft=None) -> dict:
     """
     Time plain batched ``generate`` and the EAGLE-3 strategies on the same batches, greedy.
 
@@ -69,7 +69,8 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
         families (`list[str]`, *optional*): strategy families (default: :data:`BATCHED_FAMILIES`).
         tree_shapes: ``(top_k, depth, total_tokens)`` triples of the tree family.
         progress (`bool`): print one line per batch size on stderr.
-        compile_draft (`bool`): also run every EAGLE-3 strategy with compiled drafting steps, side by side.
+        compile_draft (`str` or `bool`): also run every EAGLE-3 strategy with compiled drafting steps, side by side,
+            once per mode (:func:`~hf_eagle3.bench.strategies.compile_modes`).
 
     Returns:
         ``{"results": [...], "greedy_identical": bool, "mismatches": [...]}``; each result has ``batch_size``,

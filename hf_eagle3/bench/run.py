@@ -24,6 +24,7 @@ from hf_eagle3.bench.strategies import (
     TREE_SHAPES,
     Strategy,
     build_strategies,
+    compile_modes,
     parse_tree_shapes,
     register_strategy,
 )
@@ -68,7 +69,7 @@ def run_bench(
     meta: dict | None = None,
     progress: bool = True,
     cost_sizes=(1, 2, 4, 8, 16, 32),
-    compile_draft: bool = False,
+    compile_draft=None,
 ) -> dict:
     """Time every strategy on the same prompts, greedy and (when ``temperature > 0``) sampled.
 
@@ -95,8 +96,8 @@ def run_bench(
         progress: show a tqdm progress bar on stderr.
         cost_sizes: token counts for :func:`~hf_eagle3.core.cost_model.measure_target_seconds` on the first prompt
             (empty: skip).
-        compile_draft: also run every EAGLE-3 strategy with compiled drafting steps, side by side (its warm-up
-            compiles).
+        compile_draft: also run every EAGLE-3 strategy with compiled drafting steps, side by side, once per mode
+            (:func:`~hf_eagle3.bench.strategies.compile_modes`; its warm-up compiles).
 
     Returns:
         The report dict (as written to ``bench.json``): ``settings``, ``results`` (one entry per mode and strategy),
@@ -197,7 +198,7 @@ def run_bench(
         "strategies": [s.name for s in strategies],
         "prompt_lookup_num_tokens": prompt_lookup_num_tokens,
         "tree_shapes": [list(t) for t in tree_shapes],
-        "compile_draft": compile_draft,
+        "compile_draft": list(compile_modes(compile_draft)),
         **environment_record(target, draft_path=getattr(draft, "name_or_path", None)),
     }
     settings.update(meta or {})
@@ -222,7 +223,7 @@ def _batched_command(args, target, draft, tokenizer, prompts, batch_sizes, max_n
     from hf_eagle3.bench.batched import format_batched_markdown, run_batched_bench, write_batched_outputs
     report = run_batched_bench(target, draft, tokenizer, prompts, batch_sizes=batch_sizes,
                                max_new_tokens=max_new_tokens, ks=ks, families=families, tree_shapes=tree_shapes,
-                               compile_draft=getattr(args, "compile_draft", False))
+                               compile_draft=getattr(args, "compile_draft", None))
     report["settings"] = environment_record(target, "hf-eagle3 " + " ".join(getattr(args, "argv", None) or ["bench"]),
                                             draft_path=getattr(draft, "name_or_path", None))
     print(f"{report['settings']['target_dtype']} on {report['settings']['device']}, CPU: "
@@ -259,6 +260,10 @@ def bench_command(args) -> int:
     temperature = args.temperature if args.temperature is not None else defaults["temperature"]
     families = [f.strip() for f in args.strategies.split(",")] if args.strategies else None
     tree_shapes = parse_tree_shapes(args.tree_shapes) if getattr(args, "tree_shapes", None) else TREE_SHAPES
+    try:
+        compile_modes(getattr(args, "compile_draft", None))  # checked before the models load
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
 
     prompts = load_prompts(args.dataset, None)[:: max(1, getattr(args, "prompt_stride", 1))][:num_prompts]
     if args.dataset is None:
@@ -281,7 +286,7 @@ def bench_command(args) -> int:
     report = run_bench(target, draft, tokenizer, prompts, max_new_tokens=max_new_tokens, ks=ks,
                        temperature=temperature, seed=args.seed, families=families,
                        prompt_lookup_num_tokens=args.prompt_lookup_tokens, tree_shapes=tree_shapes,
-                       out_dir=args.out_dir, meta=meta, compile_draft=getattr(args, "compile_draft", False))
+                       out_dir=args.out_dir, meta=meta, compile_draft=getattr(args, "compile_draft", None))
     print(format_markdown(report))
     if is_random:
         print("NOTE: the draft is random (untrained); acceptance ~1 and EAGLE-3 slower than plain is expected.")

@@ -19,7 +19,7 @@ class Strategy:
         k: draft length (tokens proposed per round), ``None`` when it does not apply.
         uses_draft: whether the EAGLE-3 draft is passed as ``assistant_model``.
         generate_kwargs: extra keyword arguments for ``target.generate``.
-        compiled_draft: whether the draft's steps run under ``torch.compile`` (see :meth:`applied_to`).
+        compile_mode: the ``torch.compile`` mode the draft's steps run under (see :meth:`applied_to`); ``None``: eager.
     """
 
     name: str
@@ -27,25 +27,25 @@ class Strategy:
     k: int | None = None
     uses_draft: bool = False
     generate_kwargs: dict = field(default_factory=dict)
-    compiled_draft: bool = False
+    compile_mode: str | None = None
 
     @contextlib.contextmanager
     def applied_to(self, draft):
         """
         Within the block, ``draft`` drafts as this strategy says: for a compiled strategy its generation config gets
-        ``compile_config = CompileConfig(mode="default")`` (the drafting steps under ``torch.compile``, no CUDA
-        graphs), restored after.
+        ``compile_config = CompileConfig(mode=compile_mode)`` (``"default"``: dynamic steps; ``"reduce-overhead"``:
+        static steps, captured as CUDA graphs on a CUDA device), restored after.
 
         Args:
             draft (`Eagle3DraftModel`): the draft.
         """
-        if not self.compiled_draft:
+        if self.compile_mode is None:
             yield draft
             return
         from transformers import CompileConfig
 
         saved = draft.generation_config.compile_config
-        draft.generation_config.compile_config = CompileConfig(**COMPILE_OPTIONS)
+        draft.generation_config.compile_config = CompileConfig(**{**COMPILE_OPTIONS, "mode": self.compile_mode})
         try:
             yield draft
         finally:
@@ -53,8 +53,8 @@ class Strategy:
 
 
 STRATEGIES: dict[str, Callable[..., list[Strategy]]] = {}
-# The CompileConfig of the compiled strategies: inductor, no CUDA graphs (the steps' KV length grows every step).
-COMPILE_OPTIONS = {"mode": "default"}
+# The CompileConfig options of the compiled strategies besides their mode (Transformers' defaults: inductor).
+COMPILE_OPTIONS = {}
 
 
 def register_strategy(family: str):
@@ -181,16 +181,49 @@ def parse_tree_shapes(text: str) -> tuple:
     return tuple(shapes)
 
 
-def build_strategies(ks, families: list[str] | None = None, compile_draft: bool = False, **options) -> list[Strategy]:
+def compile_modes(compile_draft) -> tuple:
+    """
+    The compile modes of ``--compile-draft``: ``False`` / ``None`` / ``""``: none; ``True``: ``("default",)``; a
+    comma-separated string or a sequence: those modes.
+
+    Args:
+        compile_draft: the option's value.
+    """
+    if compile_draft is True:
+        return ("default",)
+    if not compile_draft:
+        return ()
+    modes = compile_draft.split(",") if isinstance(compile_draft, str) else list(compile_draft)
+    modes = tuple(m.strip() for m in modes if m.strip())
+    allowed = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    unknown = [m for m in modes if m not in allowed]
+    if unknown:
+        raise ValueError(f"--compile-draft: unknown torch.compile mode(s) {unknown}; use {', '.join(allowed)}.")
+    return modes
+
+
+def compiled_name(name: str, mode: str) -> str:
+    """The name of ``name``'s compiled twin: ``"<name> compiled"`` (mode ``"default"``), else ``"<name> compiled
+    <mode>"``.
+
+    Args:
+        name (`str`): the eager strategy's name.
+        mode (`str`): the compile mode.
+    """
+    return f"{name} compiled" if mode == "default" else f"{name} compiled {mode}"
+
+
+def build_strategies(ks, families: list[str] | None = None, compile_draft=False, **options) -> list[Strategy]:
     """Instantiate the strategies of the registered families (all of them by default); ``plain`` always comes first.
 
     Args:
         ks: draft lengths of the sweep.
         families: registry names to run; ``plain`` is added when missing (it is the reference).
-        compile_draft: also run every strategy that uses the draft with compiled drafting steps (named
-            ``"<name> compiled"``, right after its eager twin).
+        compile_draft: also run every strategy that uses the draft with compiled drafting steps, once per compile
+            mode (see :func:`compile_modes`; named as :func:`compiled_name` says, right after its eager twin).
         options: passed to every factory.
     """
+    modes = compile_modes(compile_draft)
     families = list(families or STRATEGIES)
     unknown = [f for f in families if f not in STRATEGIES]
     if unknown:
@@ -201,6 +234,7 @@ def build_strategies(ks, families: list[str] | None = None, compile_draft: bool 
     for family in ["plain"] + families:
         for strategy in STRATEGIES[family](list(ks), **options):
             strategies.append(strategy)
-            if compile_draft and strategy.uses_draft:
-                strategies.append(replace(strategy, name=f"{strategy.name} compiled", compiled_draft=True))
+            if strategy.uses_draft:
+                strategies += [replace(strategy, name=compiled_name(strategy.name, mode), compile_mode=mode)
+                               for mode in modes]
     return strategies

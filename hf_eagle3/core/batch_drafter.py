@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .draft_cache import Eagle3RowCache
+from .draft_cache import Eagle3RowCache, static_capacity
 from .draft_steps import batch_tree_level
 from .logits_process import Eagle3D2TLogitsProcessor
 from .tree_drafter import grow_candidates, select_trees
@@ -52,7 +52,9 @@ class Eagle3BatchTreeDrafter:
         self.step = draft.step_call(batch_tree_level)  # eager, or compiled (the draft's generation config)
         self.device, self.dtype = draft.fc.weight.device, draft.fc.weight.dtype
         self.window = draft.config.draft_sliding_window
-        self.cache = Eagle3RowCache(rows, capacity, self.window)
+        static = draft.static_steps()  # compiled with static shapes: one capacity per size bucket, pooled buffers
+        self.cache = Eagle3RowCache(rows, static_capacity(capacity) if static else capacity, self.window,
+                                    static_buffers=draft.static_kv_buffers if static else None)
         self.d2t = Eagle3D2TLogitsProcessor(draft.d2t, draft.config.vocab_size)
         self.fed = [0] * rows  # positions of each row in the draft cache (host ints: known from the accepted counts)
         self._fed = torch.zeros(rows, dtype=torch.long, device=self.device)  # the same, on the device
@@ -110,17 +112,9 @@ class Eagle3BatchTreeDrafter:
         self._pending = []
         rows, width = tokens.shape
         start = max(self.fed)
-        self.cache.truncate(start)
-        offsets = torch.arange(width, device=self.device)
-        columns = self._fed[:, None] + offsets  # [B, W]: row b's j-th entry at position fed[b] + j
-        if start == 0 and (self.window is None or width <= self.window):  # the first feed: plain causal attention
-            self.cache.place(columns, None)
-        else:
-            keys = torch.arange(start + width, device=self.device)
-            mask = keys[None, None, :] <= columns[:, :, None]  # causal over the row's own positions
-            if self.window is not None:
-                mask &= keys[None, None, :] > columns[:, :, None] - self.window
-            self.cache.place(columns, mask[:, None])
+        self.cache.crop(start)
+        columns = self._fed[:, None] + torch.arange(width, device=self.device)  # row b's j-th entry at fed[b] + j
+        self.cache.place_causal(columns, start + width)
         out = self.draft(input_ids=tokens, target_features=features, position_ids=columns, cache=self.cache,
                          logits_to_keep=-1)
         counts_device = torch.tensor(counts, device=self.device)
@@ -144,7 +138,7 @@ class Eagle3BatchTreeDrafter:
         """
         device, rows = self.device, self.rows
         start = max(self.fed)
-        self.cache.truncate(start)
+        self.cache.crop(start)
         columns = torch.arange(start, device=device)[None, :]
         past = (columns < self._fed[:, None])[:, None, :]  # [B, 1, start]: each row's own positions
 
@@ -156,7 +150,7 @@ class Eagle3BatchTreeDrafter:
             eye = torch.eye(k, dtype=torch.bool, device=device).expand(rows, k, k)
             mask = torch.cat([seen.expand(rows, k, start), ancestors, eye], dim=-1)
             self.cache.place_shared(start + (level - 1) * k, mask[:, None])
-            return self.step(self.draft, input_ids=self.d2t.map_tokens(ids), hidden_states=hidden.contiguous(),
+            return self.step(self.draft, input_ids=self.d2t.map_tokens(ids), hidden_states=hidden.clone(memory_format=torch.contiguous_format),
                              position_ids=(self._fed - 1 + level)[:, None].expand(rows, k), cache=self.cache)
 
         return grow_candidates(self._logits, self._hidden, depth, top_k, step)

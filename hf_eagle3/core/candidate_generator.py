@@ -99,7 +99,8 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         self.requires_model_outputs = isinstance(capture, Eagle3OutputFeatures)
         self.model_kwargs_overrides = (capture.model_kwargs_overrides(generation_config)
                                        if self.requires_model_outputs else {})
-        self.state = Eagle3DraftState(draft)  # the draft's cache, fed positions and pending verified positions
+        # the draft's cache, fed positions and pending verified positions
+        self.state = Eagle3DraftState(draft, capacity=generation_config.max_length + 1)
         self.stats = Eagle3Stats()
         self.policy: Eagle3DraftLengthPolicy | None = None  # created on the first round of "auto"
         self._last_len = input_ids.shape[1]  # length of the sequence handed to the target last round
@@ -163,14 +164,7 @@ class Eagle3CandidateGenerator(CandidateGenerator):
                     break
             if step == k - 1:
                 break
-            out = self.step(
-                self.draft,
-                input_ids=token[:, None],
-                hidden_states=out.hidden_states[:, -1:],
-                position_ids=torch.full((1, 1), cur_len - 1 + step, device=self.device),
-                cache=self.state.cache,
-                logits_to_keep=1,
-            )
+            out = self.state.step(self.step, token[:, None], out.hidden_states[:, -1:], cur_len - 1 + step)
         self._last_k = len(tokens)
         candidate_logits = torch.stack(scores, dim=1) if scores else None
         return seq, candidate_logits

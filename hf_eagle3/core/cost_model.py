@@ -231,7 +231,7 @@ def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOK
     Returns:
         ``(feed_seconds_by_size, step_seconds)``.
     """
-    from .draft_cache import Eagle3KVCache
+    from .draft_state import Eagle3DraftState
 
     device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     width = draft.fc.weight.shape[1]
@@ -242,9 +242,11 @@ def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOK
         feats = torch.randn(batch_size, n, width, generator=generator).to(device=device, dtype=dtype)
         return ids, feats
 
-    cache = Eagle3KVCache()
+    # the cache the rounds use (a static one for static steps), holding ``context`` positions
+    state = Eagle3DraftState(draft, capacity=context + max(feed_sizes) + 1, rows=batch_size)
     ids, feats = inputs(context)
-    out = draft(input_ids=ids, target_features=feats, cache=cache, logits_to_keep=1)
+    state.add(feats, ids)
+    out = state.feed()
 
     sequence = torch.zeros(batch_size, context, dtype=torch.long, device=device)
 
@@ -257,8 +259,9 @@ def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOK
         ids, feats = inputs(m)
 
         def run():
-            cache.crop(context)
-            pick(draft(input_ids=ids, target_features=feats, cache=cache, logits_to_keep=1))
+            state.rewind(context)
+            state.add(feats, ids)
+            pick(state.feed())
 
         feed[m] = _time(run, device, repeats)
     hidden = out.hidden_states[:, -1:]
@@ -266,8 +269,8 @@ def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOK
     forward = draft.step_call(chain_step)  # as rounds run it (compiled when the draft's generation config says so)
 
     def step():
-        cache.crop(context)
-        pick(forward(draft, input_ids=token, hidden_states=hidden, cache=cache, logits_to_keep=1))
+        state.rewind(context)
+        pick(state.step(forward, token, hidden, context))
 
     return feed, _time(step, device, repeats)
 

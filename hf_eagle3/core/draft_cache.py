@@ -96,57 +96,101 @@ def sliding_window_mask(attention_mask, query_positions: torch.Tensor, key_posit
     return attention_mask.masked_fill(~inside, float("-inf"))
 
 
+def static_capacity(columns: int) -> int:
+    """
+    The capacity of a static draft cache that must hold ``columns`` columns: the next power of two, at least 256, so
+    that calls of similar lengths share one capacity (static steps compile, and capture CUDA graphs, per capacity).
+
+    Args:
+        columns (`int`): columns the call may write.
+    """
+    return max(256, 1 << (max(1, int(columns)) - 1).bit_length())
+
+
 class Eagle3RowCache:
     r"""
     The draft's key/value cache for a batch whose rows know different numbers of positions: preallocated buffers
     [B, kv_heads, capacity, D] where each row keeps its verified position ``p`` at column ``p`` (no holes, nothing to
-    compact), and the speculative entries of a round (a tree's levels) in a region shared by all rows after the
-    longest row's positions.
+    compact), and the speculative entries of a round (a chain's tokens, a tree's levels) in a region shared by all rows
+    after the longest row's positions.
 
-    The caller says where the next forward writes (:meth:`place`, per row, or :meth:`place_shared`, the same columns
-    for every row) and with which mask it attends; the draft's attention then calls :meth:`attend`. The mask already
-    holds the draft's sliding window, when it has one (the window it was built for is checked).
+    The caller says where the next forward writes and with which mask it attends (:meth:`place_causal` for a feed of
+    verified positions, :meth:`place_shared` for a drafting step); the draft's attention then calls :meth:`attend`.
+    The masks hold the draft's sliding window, when it has one (the window they were built for is checked).
+
+    A **static** cache (``static_buffers`` given: the steps run under a compile config that asks for static shapes or
+    captures CUDA graphs) never reallocates: its buffers come from ``static_buffers`` (kept by the draft and reused by
+    every call of the same size, so their addresses do not change), drafting steps write at columns given as device
+    tensors and attend over the full capacity with a mask, so every step of a call has the same shapes and reads no
+    Python number that changes. Feeds, which run eagerly, still attend over the columns in use only.
 
     Args:
         rows (`int`): batch size.
-        capacity (`int`): columns to preallocate (grown when a forward writes past them).
+        capacity (`int`): columns to preallocate (a dynamic cache grows when a forward writes past them).
         window (`int`, *optional*): the draft's sliding window the masks are built for.
+        static_buffers (`dict`, *optional*): makes the cache static; holds the buffers by size between calls.
     """
 
-    def __init__(self, rows: int, capacity: int, window: int | None = None):
+    def __init__(self, rows: int, capacity: int, window: int | None = None, static_buffers: dict | None = None):
         self.rows, self.capacity, self.window = rows, capacity, window
+        self.static_buffers = static_buffers
         self.keys = self.values = None
+        self._full = None  # static: the pooled buffers (all the rows they were made for)
         self.length = 0  # columns any forward has written to so far (the keys an attention reads)
         self._columns = None  # [B, n] per-row columns of the next write, or an int (first shared column)
-        self._mask = None  # bool [B, 1, n, length after the write]
+        self._mask = None  # bool [B, 1, n, keys attended]
+
+    @property
+    def static(self) -> bool:
+        """Whether the buffers never reallocate and drafting steps attend over the full capacity."""
+        return self.static_buffers is not None
 
     def get_seq_length(self) -> int:
         """Columns in use (the widest row's positions plus the speculative region)."""
         return self.length
 
-    def place(self, columns: torch.LongTensor, mask: torch.BoolTensor | None) -> None:
+    def place_causal(self, columns: torch.LongTensor, width: int) -> None:
         """
-        The next forward writes row ``b``'s ``j``-th entry at ``columns[b, j]`` and attends with ``mask``.
+        The next forward writes row ``b``'s ``j``-th verified position at column ``columns[b, j]`` (its position) and
+        attends causally over the row's own positions (within the sliding window).
 
         Args:
-            columns (`torch.LongTensor` [B, n]): per-row columns.
-            mask (`torch.BoolTensor` [B, 1, n, width] or `None`): True = attend; ``width`` is the cache's width after
-                the write. ``None``: every row writes columns ``0 .. n - 1`` and attends causally (a first feed: the
-                attention kernel applies the mask, none is built).
+            columns (`torch.LongTensor` [B, n]): per-row columns (= positions).
+            width (`int`): the columns in use after the write (the largest column + 1; padding entries of short rows
+                may write up to there).
         """
-        self._columns, self._mask = columns, mask
+        if self.length == 0 and (self.window is None or width <= self.window):
+            self._columns, self._mask = columns, None  # a first feed: the attention kernel applies the causal mask
+        else:
+            keys = torch.arange(width, device=columns.device)
+            mask = keys[None, None, :] <= columns[:, :, None]
+            if self.window is not None:
+                mask &= keys[None, None, :] > columns[:, :, None] - self.window
+            self._columns, self._mask = columns, mask[:, None]
+        self.length = max(self.length, width)
 
     def place_shared(self, start: int, mask: torch.BoolTensor) -> None:
         """
-        The next forward writes every row's entries at columns ``start ..`` and attends with ``mask``.
+        The next forward (a drafting step) writes every row's entries at columns ``start ..`` and attends with
+        ``mask`` (padded with False to the full capacity for a static cache).
 
         Args:
             start (`int`): the first column.
-            mask (`torch.BoolTensor` [B, 1, n, start + n]): True = attend.
+            mask (`torch.BoolTensor` [B, 1, n, start + n] or [B, 1, n, capacity]): True = attend.
         """
-        self._columns, self._mask = int(start), mask
+        n = mask.shape[2]
+        self.length = max(self.length, start + n)
+        if not self.static:
+            self._columns, self._mask = int(start), mask
+            return
+        if start + n > self.capacity:
+            raise RuntimeError(f"Static draft cache of {self.capacity} columns cannot hold columns up to {start + n}.")
+        if mask.shape[-1] < self.capacity:
+            mask = torch.nn.functional.pad(mask, (0, self.capacity - mask.shape[-1]), value=False)
+        columns = torch.arange(start, start + n, device=mask.device)
+        self._columns, self._mask = columns[None].expand(mask.shape[0], n), mask
 
-    def truncate(self, length: int) -> None:
+    def crop(self, length: int) -> None:
         """Forget the columns from ``length`` on (the speculative region of the last round).
 
         Args:
@@ -156,29 +200,51 @@ class Eagle3RowCache:
 
     def keep_rows(self, keep: torch.LongTensor) -> None:
         """
-        Keep the given rows, in that order (finished rows leave the batch).
+        Keep the given rows, in that order (finished rows leave the batch). A static cache moves them to its first
+        rows in place.
 
         Args:
             keep (`torch.LongTensor` [B']): row indices.
         """
-        if self.keys is not None:
+        if self.keys is not None and self.static:
+            n = keep.shape[0]
+            self._full[0][:n], self._full[1][:n] = self.keys[keep], self.values[keep]
+            self.keys, self.values = self._full[0][:n], self._full[1][:n]
+        elif self.keys is not None:
             self.keys, self.values = self.keys[keep], self.values[keep]
         self.rows = keep.shape[0]
 
     def _reserve(self, k: torch.Tensor, width: int) -> None:
         if self.keys is not None and width <= self.keys.shape[2]:
             return
-        capacity = max(self.capacity, width, 2 * self.length)
+        if self.static:
+            self._take_static(k)
+            if width > self.capacity:
+                raise RuntimeError(f"Static draft cache of {self.capacity} columns cannot hold {width}.")
+            return
+        capacity = max(self.capacity, width, 2 * self.keys.shape[2] if self.keys is not None else 0)
         keys = k.new_zeros(self.rows, k.shape[1], capacity, k.shape[3])
         values = keys.clone()
-        if self.keys is not None and self.length:
-            keys[:, :, : self.length] = self.keys[:, :, : self.length]
-            values[:, :, : self.length] = self.values[:, :, : self.length]
+        if self.keys is not None:
+            keys[:, :, : self.keys.shape[2]] = self.keys
+            values[:, :, : self.values.shape[2]] = self.values
         self.keys, self.values, self.capacity = keys, values, capacity
+
+    def _take_static(self, k: torch.Tensor) -> None:
+        """The pooled buffers of this size (made, zeroed and marked static on first use)."""
+        key = (self.rows, k.shape[1], self.capacity, k.shape[3], k.dtype, str(k.device))
+        if key not in self.static_buffers:
+            keys = k.new_zeros(self.rows, k.shape[1], self.capacity, k.shape[3])
+            values = keys.clone()
+            for buffer in (keys, values):  # cudagraphs: the same address at every replay, no copy
+                torch._dynamo.mark_static_address(buffer)
+            self.static_buffers[key] = (keys, values)
+        self._full = self.static_buffers[key]
+        self.keys, self.values = self._full
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """
-        Write this forward's keys and values where :meth:`place` said and attend ``q`` with its mask.
+        Write this forward's keys and values where the last ``place_*`` call said and attend ``q`` with its mask.
 
         Args:
             q (`torch.Tensor` [B, heads, n, D]), k, v (`torch.Tensor` [B, kv_heads, n, D]): the forward's.
@@ -192,7 +258,7 @@ class Eagle3RowCache:
                              f"the draft has {window}.")
         columns, mask = self._columns, self._mask
         if columns is None:
-            raise RuntimeError("Eagle3RowCache: call place() or place_shared() before each draft forward.")
+            raise RuntimeError("Eagle3RowCache: call place_causal() or place_shared() before each draft forward.")
         self._columns = self._mask = None
         width = mask.shape[-1] if mask is not None else k.shape[2]
         self._reserve(k, width)
@@ -203,7 +269,7 @@ class Eagle3RowCache:
             index = columns[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
             self.keys.scatter_(2, index, k)
             self.values.scatter_(2, index, v)
-        self.length = max(self.length, width)
+        keys, values = (self.keys, self.values) if width == self.keys.shape[2] else \
+            (self.keys[:, :, :width], self.values[:, :, :width])
         return torch.nn.functional.scaled_dot_product_attention(
-            q, self.keys[:, :, :width], self.values[:, :, :width], attn_mask=mask, is_causal=mask is None,
-            enable_gqa=q.shape[1] != k.shape[1])
+            q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1])

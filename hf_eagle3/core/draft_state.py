@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .draft_cache import Eagle3KVCache
+from .draft_cache import Eagle3KVCache, Eagle3RowCache, static_capacity
 
 
 class Eagle3DraftState:
@@ -20,18 +20,33 @@ class Eagle3DraftState:
     The draft's KV cache of one ``generate`` call, the count of verified positions fed to it, and the verified
     positions not fed yet.
 
+    The cache is an :class:`~hf_eagle3.core.draft_cache.Eagle3KVCache` that grows, or, when the draft's steps are
+    static (:meth:`~hf_eagle3.core.modeling_eagle3.Eagle3DraftModel.static_steps`), a static
+    :class:`~hf_eagle3.core.draft_cache.Eagle3RowCache` of ``capacity`` columns (rounded up to its size bucket).
+
     Args:
         draft (`Eagle3DraftModel`): the draft, bound to the target.
+        capacity (`int`, *optional*): the most positions the call holds (its ``max_length``; needed for static steps).
+        rows (`int`): rows, all at the same positions (a ``generate`` call has one; the cost model times several).
     """
 
-    def __init__(self, draft):
+    def __init__(self, draft, capacity: int | None = None, rows: int = 1):
         self.draft = draft
         self.device = draft.fc.weight.device
         self.dtype = draft.fc.weight.dtype
-        self.cache = Eagle3KVCache()
+        self.rows = rows
+        self.static = draft.static_steps()
+        if self.static:
+            if capacity is None:
+                raise ValueError("Static drafting steps need the call's capacity (its max_length).")
+            self.cache = Eagle3RowCache(rows, static_capacity(capacity), draft.config.draft_sliding_window,
+                                        static_buffers=draft.static_kv_buffers)
+            self._columns = torch.arange(self.cache.capacity, device=self.device)
+        else:
+            self.cache = Eagle3KVCache()
         self.fed = 0  # positions whose real (target) features are in the draft cache
-        self._features = []  # pending verified features [1, f_i, 3T], in position order
-        self._tokens = []  # the token that follows each pending position [f_i]
+        self._features = []  # pending verified features [rows, f_i, 3T], in position order
+        self._tokens = []  # the token that follows each pending position [rows, f_i]
 
     @property
     def num_pending(self) -> int:
@@ -72,16 +87,17 @@ class Eagle3DraftState:
         Keep verified positions pending, after those already pending.
 
         Args:
-            features (`torch.Tensor` [1, f, 3T]): their target features, on the draft's device and in its dtype.
-            tokens (`torch.LongTensor` [f]): the token that follows each of them.
+            features (`torch.Tensor` [rows, f, 3T]): their target features, on the draft's device and in its dtype.
+            tokens (`torch.LongTensor` [rows, f], or [f] for one row): the token that follows each of them.
         """
         self._features.append(features)
-        self._tokens.append(tokens.view(-1))
+        self._tokens.append(tokens.view(self.rows, -1))
 
     def pending(self) -> tuple[torch.Tensor, torch.LongTensor]:
-        """The pending positions, in order: ``(features [1, f, 3T], tokens [f])`` (at least one must be pending)."""
+        """The pending positions, in order: ``(features [rows, f, 3T], tokens [rows, f])`` (at least one must be
+        pending)."""
         features = self._features[0] if len(self._features) == 1 else torch.cat(self._features, dim=1)
-        tokens = self._tokens[0] if len(self._tokens) == 1 else torch.cat(self._tokens)
+        tokens = self._tokens[0] if len(self._tokens) == 1 else torch.cat(self._tokens, dim=1)
         return features, tokens
 
     def feed(self):
@@ -95,15 +111,54 @@ class Eagle3DraftState:
         self._features, self._tokens = [], []
         self.crop()
         f = tokens.shape[-1]
+        positions = torch.arange(self.fed, self.fed + f, device=self.device).expand(self.rows, f)
+        if self.static:
+            self.cache.place_causal(positions, self.fed + f)
         out = self.draft(
-            input_ids=tokens.view(1, f).to(self.device),
+            input_ids=tokens.to(self.device),
             target_features=features,
-            position_ids=torch.arange(self.fed, self.fed + f, device=self.device)[None],
+            position_ids=positions,
             cache=self.cache,
             logits_to_keep=1,
         )
         self.fed += f
         return out
+
+    def step(self, step, input_ids: torch.LongTensor, hidden_states: torch.Tensor, position: int):
+        """
+        One drafting step: the draft forward of the next token at ``position``, over the cache.
+
+        Args:
+            step (`Callable`): the step function as the rounds run it (``draft.step_call(chain_step)``).
+            input_ids (`torch.LongTensor` [rows, 1]): the token (target vocabulary).
+            hidden_states (`torch.Tensor` [rows, 1, H]): the previous forward's output at the position before.
+            position (`int`): the token's position (the cache holds every position before it).
+
+        Returns:
+            The draft's output (`Eagle3DraftOutput`, logits of that position).
+        """
+        if self.static:  # column p holds position p: attend to columns 0 .. p (within the sliding window)
+            mask = self._columns <= position
+            if self.cache.window is not None:
+                mask &= self._columns > position - self.cache.window
+            self.cache.place_shared(position, mask.view(1, 1, 1, -1).expand(self.rows, 1, 1, -1))
+        # standard strides: the first step's input is a slice of the feed's output, whose strides differ
+        hidden_states = hidden_states.clone(memory_format=torch.contiguous_format)
+        return step(self.draft, input_ids=input_ids, hidden_states=hidden_states,
+                    position_ids=torch.full((self.rows, 1), position, device=self.device), cache=self.cache,
+                    logits_to_keep=1)
+
+    def rewind(self, fed: int) -> None:
+        """
+        Forget the fed positions from ``fed`` on and every pending one (the cost model times feeds and steps again
+        and again at the same place).
+
+        Args:
+            fed (`int`): positions to keep.
+        """
+        self.fed = min(self.fed, fed)
+        self._features, self._tokens = [], []
+        self.crop()
 
     def crop(self) -> None:
         """Drop the draft's speculative cache entries (those past the fed verified positions)."""

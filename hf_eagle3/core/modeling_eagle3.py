@@ -28,23 +28,42 @@ from .settings import SAVED_DRAFT_SETTINGS
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
+def wants_static_steps(config) -> bool:
+    """
+    Whether a compile config asks for drafting steps of static shapes: ``dynamic=False``, or a mode that captures CUDA
+    graphs with ``dynamic`` unset (``CompileConfig()``'s own default, ``"reduce-overhead"``).
+
+    Args:
+        config (`CompileConfig`): the draft's ``generation_config.compile_config``.
+    """
+    return config.dynamic is False or (config.dynamic is None and config.mode in CUDA_GRAPH_MODES)
+
+
 def check_step_compile(config, device) -> None:
     """
-    Raise ``ValueError`` when the drafting steps cannot run under ``config`` on ``device``: a mode that captures CUDA
-    graphs (``"reduce-overhead"``, ``"max-autotune"``) on a CUDA device, where the steps' growing KV length would
-    record a new graph every step.
+    Raise ``ValueError`` when the drafting steps cannot run under ``config`` on ``device``: ``dynamic=True`` with a
+    mode that captures CUDA graphs on a CUDA device, which would record a graph for every KV length.
 
     Args:
         config (`CompileConfig`): the draft's ``generation_config.compile_config``.
         device (`torch.device`): the draft's device.
     """
-    if torch.device(device).type == "cuda" and config.mode in CUDA_GRAPH_MODES:
+    if torch.device(device).type == "cuda" and config.mode in CUDA_GRAPH_MODES and config.dynamic is True:
         raise ValueError(
-            f"The draft's compile_config has mode={config.mode!r}, which captures CUDA graphs, but the draft's "
-            "steps attend over a KV cache that grows every step (a new graph per step). Set "
-            "draft.generation_config.compile_config = CompileConfig(mode='default') (or "
-            "'max-autotune-no-cudagraphs'), or compile_config = None for eager drafting."
+            f"The draft's compile_config has mode={config.mode!r}, which captures CUDA graphs, and dynamic=True, "
+            "which lets the steps' KV length grow (a new graph for every length). Leave dynamic unset (static "
+            "steps over a preallocated cache), or use mode='default' for dynamic shapes."
         )
+
+
+def _new_cuda_graph_step(compiled):
+    """``compiled``, each call of which starts a new CUDA-graph step (the previous step's outputs may be overwritten)."""
+
+    def step(*args, **kwargs):
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs)
+
+    return step
 
 
 @dataclass
@@ -123,6 +142,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self._target_embedding = None
         self._target_head = None  # (weight rows of the draft vocabulary,) for a draft without lm_head
         self._compiled_steps = {}  # (step function, compile options) -> compiled step (see step_call)
+        self.static_kv_buffers = {}  # the static draft caches' buffers by size, reused by every call (static_steps)
         self.last_stats = None
         self.last_batch_stats = None
         self.cumulative_stats = None
@@ -224,6 +244,23 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return out.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
 
     # ------------------------------------------------------------------------------------------------ compilation
+    def _step_compile_config(self):
+        """The compile config the drafting steps run under, or ``None`` (eager)."""
+        config = getattr(self.generation_config, "compile_config", None)
+        if config is None or getattr(self.generation_config, "disable_compile", False):
+            return None
+        return config
+
+    def static_steps(self) -> bool:
+        """
+        Whether the drafting steps run with static shapes: compiled under a config that asks for them (see
+        :func:`wants_static_steps`). Their caches are then :class:`~hf_eagle3.core.draft_cache.Eagle3RowCache` s of a
+        fixed capacity whose buffers are kept in :attr:`static_kv_buffers` and reused by every call of that size (the
+        same addresses, as CUDA graphs need).
+        """
+        config = self._step_compile_config()
+        return config is not None and wants_static_steps(config)
+
     def step_call(self, step):
         """
         ``step`` as the drafting rounds run it: ``step`` itself, or ``torch.compile(step)`` when
@@ -232,27 +269,40 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         the verified positions, whose length changes every round, stays eager.
 
         Each drafter passes its own module-level ``step(draft, **kwargs)`` function, so each keeps its own compiled
-        graphs (dynamo's recompile limit counts per function). The steps attend over a KV cache that grows every step:
-        ``dynamic=None`` (the config's default) compiles them with dynamic shapes from the first call. The compiled
-        functions are kept on the draft, per config.
+        graphs (dynamo's recompile limit counts per function). Two kinds of compiled steps:
+
+        - **static** (:meth:`static_steps`: ``dynamic=False``, or ``dynamic`` unset with a mode that captures CUDA
+          graphs, such as ``CompileConfig()``'s default ``"reduce-overhead"``): the steps write at device positions of a
+          preallocated cache and attend over its full capacity, so every step of a call has the same shapes: one graph
+          per capacity bucket and batch size, which CUDA-graph modes capture once and replay;
+        - **dynamic** (any other config; ``dynamic=None`` is compiled as ``dynamic=True``): the steps attend over the
+          cache's used length, a longer call reuses the graphs of a shorter one.
+
+        The compiled functions are kept on the draft, per config. Under a mode that captures CUDA graphs on a CUDA
+        draft, each step starts a new CUDA-graph step (``torch.compiler.cudagraph_mark_step_begin``): the previous
+        step's outputs are read before the next one runs.
 
         Args:
             step (`Callable`): ``step(draft, **forward_kwargs) -> Eagle3DraftOutput``.
 
         Raises:
-            ValueError: for a mode that captures CUDA graphs on a CUDA draft (see :func:`check_step_compile`).
+            ValueError: for ``dynamic=True`` with a mode that captures CUDA graphs on a CUDA draft (see
+                :func:`check_step_compile`).
         """
-        config = getattr(self.generation_config, "compile_config", None)
-        if config is None or getattr(self.generation_config, "disable_compile", False):
+        config = self._step_compile_config()
+        if config is None:
             return step
-        check_step_compile(config, self.fc.weight.device)
+        device = self.fc.weight.device
+        check_step_compile(config, device)
         options = config.to_dict()
-        if options.get("dynamic") is None:
-            options["dynamic"] = True
+        options["dynamic"] = not wants_static_steps(config) if options.get("dynamic") is None else options["dynamic"]
         key = (step, repr(sorted(options.items(), key=lambda item: item[0])))
         compiled = self._compiled_steps.get(key)
         if compiled is None:
-            compiled = self._compiled_steps[key] = torch.compile(step, **options)
+            compiled = torch.compile(step, **options)
+            if device.type == "cuda" and config.mode in CUDA_GRAPH_MODES:
+                compiled = _new_cuda_graph_step(compiled)
+            self._compiled_steps[key] = compiled
         return compiled
 
     # ----------------------------------------------------------------------------------------------------- compute
