@@ -276,22 +276,6 @@ def test_size_chooser_drafts_nothing_while_trees_do_not_pay():
     assert chooser.draft_this_round()
 
 
-def test_size_chooser_skips_trees_the_model_says_do_not_pay():
-    """Before its measurements decide, the model does: no tree while the best tree of the last candidates is expected
-    to make fewer tokens per second than a one-token forward (verification that costs as much per token as a plain
-    step, a draft that is rarely right), with probes."""
-    chooser = tree_policy.TreeSizeChooser({1: 0.04, 16: 0.16, 64: 0.64})  # compute-bound: cost grows with tokens
-    assert chooser.draft_this_round()  # nothing modelled yet
-    chooser.observe_tree_round(([0.1] * 10, [0.1]), 4, accepted=0.0, draft_seconds=0.01, draft_forwards=2,
-                               round_seconds=0.07, most=3)
-    decisions = [chooser.draft_this_round() for _ in range(draft_length_policy.PROBE_EVERY)]
-    assert decisions == [False] * (draft_length_policy.PROBE_EVERY - 1) + [True]  # then a probe
-    cheap = tree_policy.TreeSizeChooser({1: 0.04, 64: 0.05})  # verification nearly free: the same draft pays
-    cheap.observe_tree_round(([0.1] * 10, [0.1]), 4, accepted=0.0, draft_seconds=0.01, draft_forwards=2,
-                             round_seconds=0.07, most=3)
-    assert cheap.draft_this_round()
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_auto_tree_rounds_without_a_tree_stay_lossless(arch, monkeypatch):
     """Rounds that draft no tree defer the draft's feed; the next tree is drafted from all the features at once."""
@@ -521,8 +505,6 @@ def test_auto_sizes_each_round_from_the_previous_rounds_candidates(monkeypatch):
     monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "select", recording_select)
     monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "expand", recording_expand)
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", recording_choose)
-    # a tree every round (the random draft's trees do not pay, which would skip them: tested on its own)
-    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: True)
     out = greedy(target, ids, max_new_tokens=24, assistant_model=tiny_draft(target, seed=12), **tree(3, 5, "auto"))
     assert torch.equal(out, ref)
     assert sizes[0] == min(tree_policy.AUTO_FIRST, tree_policy.auto_most_nodes(5, 3))

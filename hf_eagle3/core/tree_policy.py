@@ -10,7 +10,7 @@ from .draft_length_policy import ProbeSchedule, smooth
 AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree inputs (root included) whose target forward cost "auto" measures
 AUTO_MAX_NODES = 63  # largest tree "auto" chooses (64 target inputs with the root)
 AUTO_PRIOR_WEIGHT = 2.0  # pseudo-tokens of the prior calibration 1.0 (see `TreeSizeChooser`)
-MIN_ROUNDS_BEFORE_SKIPPING = 8  # rounds with a tree measured before their measured speed decides (the model before)
+MIN_ROUNDS_BEFORE_SKIPPING = 8  # rounds with a tree measured before "auto" may decide to draft none
 SKIP_BELOW = 0.9  # draft no tree while trees make less than this fraction of a plain step's tokens per second
 SMOOTHING = 0.1  # exponential smoothing of the recent rounds' tokens and seconds
 USUAL_FEED = 8  # positions a feed covers after a round with a tree (more: a feed deferred by rounds without one)
@@ -55,7 +55,6 @@ class TreeSizeChooser:
         self.recent_seconds = None
         self.plain_seconds = None  # smoothed seconds of the recent rounds without one
         self.usual_feed = None  # smoothed seconds of feeding the draft the positions of one round
-        self.best_rate = None  # modelled tokens per second of the best tree of the last candidates (see choose)
         self.probes = ProbeSchedule()
 
     def target_seconds(self, n: int) -> float:
@@ -69,20 +68,14 @@ class TreeSizeChooser:
 
     def draft_this_round(self) -> bool:
         """
-        Whether to draft a tree this round. Until :data:`MIN_ROUNDS_BEFORE_SKIPPING` rounds with a tree are measured,
-        the model decides: draft while the best tree of the last candidates (:meth:`choose`) is expected to make at
-        least as many tokens per second as a one-token target forward. After that, the measurement decides: while the
-        recent rounds with a tree made clearly fewer tokens per second than a plain target step (below
-        :data:`SKIP_BELOW` of it; the step measured, or the one-token forward time before any), draft nothing. Either
-        way, rounds without a tree are interrupted by the probes of a
-        :class:`~hf_eagle3.core.draft_length_policy.ProbeSchedule`, which measure trees again.
+        Whether to draft a tree this round: while the recent rounds with a tree made clearly fewer tokens per second
+        than a plain target step would (below :data:`SKIP_BELOW` of it; the step measured, or the one-token forward
+        time before any), draft nothing but the probes of a :class:`~hf_eagle3.core.draft_length_policy.ProbeSchedule`.
         """
-        if self.rounds < MIN_ROUNDS_BEFORE_SKIPPING:  # too little measured: the model (always a tree before any)
-            pays = self.best_rate is None or self.best_rate * self.target_seconds(1) >= 1.0
-        else:
-            plain = self.plain_seconds if self.plain_seconds is not None else self.target_seconds(1)
-            pays = self.recent_tokens / self.recent_seconds * plain >= SKIP_BELOW
-        if pays:
+        if self.rounds < MIN_ROUNDS_BEFORE_SKIPPING:
+            return True  # too little measured yet
+        plain = self.plain_seconds if self.plain_seconds is not None else self.target_seconds(1)
+        if self.recent_tokens / self.recent_seconds * plain >= SKIP_BELOW:
             self.probes.drafting()
             return True
         return self.probes.probe_now()
@@ -103,8 +96,7 @@ class TreeSizeChooser:
 
     def choose(self, path_probs: list[float]) -> int:
         """
-        Return the number of drafted nodes N >= 1 with the most expected tokens per second (kept in
-        :attr:`best_rate`, which :meth:`draft_this_round` weighs against a plain step).
+        Return the number of drafted nodes N >= 1 with the most expected tokens per second.
 
         Args:
             path_probs (`list[float]`): the candidates' path probabilities, sorted in decreasing order.
@@ -116,7 +108,6 @@ class TreeSizeChooser:
             rate = expected / (draft + self.target_seconds(n + 1))
             if rate > best_rate:
                 best, best_rate = n, rate
-        self.best_rate = best_rate
         return best
 
     def levels(self, frontier_mass: list, most: int) -> int:
@@ -186,7 +177,6 @@ class TreeSizeChooser:
             self.usual_feed = smooth(self.usual_feed, feed_seconds, SMOOTHING)
         else:  # the prompt's feed, or one deferred by rounds without a tree: counted as a usual one
             seconds += (self.usual_feed or 0.0) - feed_seconds
-            draft_seconds += (self.usual_feed or 0.0) - feed_seconds
         self.predicted += predicted
         self.accepted += accepted
         self.draft_seconds += draft_seconds
