@@ -216,6 +216,24 @@ def test_static_steps_compile_once_and_keep_their_buffers(pair, path):
     assert torch.equal(second, target.generate(random_prompt(12, seed=9), do_sample=False, max_new_tokens=30))
 
 
+@pytest.mark.parametrize("path", ["chain", "tree", "batched chain"])
+def test_static_steps_of_a_sliding_window_draft(pair, proposals, path):
+    """A sliding-window draft (window 4, shorter than the prompt): static steps' full-capacity masks keep the window,
+    so they draft what the eager steps draft."""
+    target, _ = pair
+    draft = tiny_draft(target, 128, draft_sliding_window=4, seed=6)
+    ids = random_prompt(9, seed=10)
+    kwargs = dict(max_new_tokens=20, **PATHS["tree" if path == "tree" else "chain"])
+    if path == "batched chain":
+        ids = torch.randint(4, 256, (2, 9), generator=torch.Generator().manual_seed(6))
+        kwargs["attention_mask"] = torch.ones_like(ids)
+        kwargs["attention_mask"][1, :3] = 0
+    eager, eager_drafts, _ = run(target, draft, ids, None, proposals, **kwargs)
+    static, static_drafts, _ = run(target, draft, ids, STATIC, proposals, **kwargs)
+    assert torch.equal(static, eager) and len(eager_drafts) >= 4
+    assert static_drafts == eager_drafts
+
+
 def test_which_configs_make_static_steps_and_which_are_refused():
     assert wants_static_steps(CompileConfig())  # Transformers' default: "reduce-overhead", dynamic unset
     assert wants_static_steps(CompileConfig(mode="max-autotune"))
