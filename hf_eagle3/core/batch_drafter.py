@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .draft_cache import Eagle3RowCache, static_capacity
-from .draft_steps import batch_tree_level
+from .draft_steps import batch_tree_level, standard_strides
 from .logits_process import Eagle3D2TLogitsProcessor
 from .tree_drafter import grow_candidates, select_trees
 
@@ -150,7 +150,7 @@ class Eagle3BatchTreeDrafter:
             eye = torch.eye(k, dtype=torch.bool, device=device).expand(rows, k, k)
             mask = torch.cat([seen.expand(rows, k, start), ancestors, eye], dim=-1)
             self.cache.place_shared(start + (level - 1) * k, mask[:, None])
-            return self.step(self.draft, input_ids=self.d2t.map_tokens(ids), hidden_states=hidden.clone(memory_format=torch.contiguous_format),
+            return self.step(self.draft, input_ids=self.d2t.map_tokens(ids), hidden_states=standard_strides(hidden),
                              position_ids=(self._fed - 1 + level)[:, None].expand(rows, k), cache=self.cache)
 
         return grow_candidates(self._logits, self._hidden, depth, top_k, step)

@@ -96,6 +96,26 @@ def sliding_window_mask(attention_mask, query_positions: torch.Tensor, key_posit
     return attention_mask.masked_fill(~inside, float("-inf"))
 
 
+def causal_mask(columns: torch.LongTensor, width: int, window: int | None = None) -> torch.BoolTensor:
+    """
+    The mask of queries at ``columns`` of a cache whose column ``p`` holds position ``p``: each attends to the
+    columns up to its own, within the sliding window (key position > query position - window).
+
+    Args:
+        columns (`torch.LongTensor` [B, n]): the queries' columns (= positions).
+        width (`int`): keys in the mask.
+        window (`int`, *optional*): the draft's sliding window.
+
+    Returns:
+        `torch.BoolTensor` [B, 1, n, width] (True = attend).
+    """
+    keys = torch.arange(width, device=columns.device)
+    mask = keys[None, None, :] <= columns[:, :, None]
+    if window is not None:
+        mask &= keys[None, None, :] > columns[:, :, None] - window
+    return mask[:, None]
+
+
 def static_capacity(columns: int) -> int:
     """
     The capacity of a static draft cache that must hold ``columns`` columns: the next power of two, at least 256, so
@@ -159,14 +179,8 @@ class Eagle3RowCache:
             width (`int`): the columns in use after the write (the largest column + 1; padding entries of short rows
                 may write up to there).
         """
-        if self.length == 0 and (self.window is None or width <= self.window):
-            self._columns, self._mask = columns, None  # a first feed: the attention kernel applies the causal mask
-        else:
-            keys = torch.arange(width, device=columns.device)
-            mask = keys[None, None, :] <= columns[:, :, None]
-            if self.window is not None:
-                mask &= keys[None, None, :] > columns[:, :, None] - self.window
-            self._columns, self._mask = columns, mask[:, None]
+        first = self.length == 0 and (self.window is None or width <= self.window)  # the kernel's causal mask
+        self._columns, self._mask = columns, None if first else causal_mask(columns, width, self.window)
         self.length = max(self.length, width)
 
     def place_shared(self, start: int, mask: torch.BoolTensor) -> None:
@@ -269,7 +283,6 @@ class Eagle3RowCache:
             index = columns[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
             self.keys.scatter_(2, index, k)
             self.values.scatter_(2, index, v)
-        keys, values = (self.keys, self.values) if width == self.keys.shape[2] else \
-            (self.keys[:, :, :width], self.values[:, :, :width])
         return torch.nn.functional.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1])
+            q, self.keys[:, :, :width], self.values[:, :, :width], attn_mask=mask, is_causal=mask is None,
+            enable_gqa=q.shape[1] != k.shape[1])

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .draft_cache import Eagle3KVCache, Eagle3RowCache, static_capacity
+from .draft_cache import Eagle3KVCache, Eagle3RowCache, causal_mask, static_capacity
+from .draft_steps import standard_strides
 
 
 class Eagle3DraftState:
@@ -41,7 +42,6 @@ class Eagle3DraftState:
                 raise ValueError("Static drafting steps need the call's capacity (its max_length).")
             self.cache = Eagle3RowCache(rows, static_capacity(capacity), draft.config.draft_sliding_window,
                                         static_buffers=draft.static_kv_buffers)
-            self._columns = torch.arange(self.cache.capacity, device=self.device)
         else:
             self.cache = Eagle3KVCache()
         self.fed = 0  # positions whose real (target) features are in the draft cache
@@ -137,16 +137,12 @@ class Eagle3DraftState:
         Returns:
             The draft's output (`Eagle3DraftOutput`, logits of that position).
         """
-        if self.static:  # column p holds position p: attend to columns 0 .. p (within the sliding window)
-            mask = self._columns <= position
-            if self.cache.window is not None:
-                mask &= self._columns > position - self.cache.window
-            self.cache.place_shared(position, mask.view(1, 1, 1, -1).expand(self.rows, 1, 1, -1))
-        # standard strides: the first step's input is a slice of the feed's output, whose strides differ
-        hidden_states = hidden_states.clone(memory_format=torch.contiguous_format)
-        return step(self.draft, input_ids=input_ids, hidden_states=hidden_states,
-                    position_ids=torch.full((self.rows, 1), position, device=self.device), cache=self.cache,
-                    logits_to_keep=1)
+        positions = torch.full((self.rows, 1), position, device=self.device)
+        if self.static:  # over the full capacity: columns 0 .. position (within the sliding window)
+            self.cache.place_shared(position, causal_mask(positions, self.cache.capacity, self.cache.window))
+        # the first step's input is a slice of the feed's output, with other strides than the later steps'
+        return step(self.draft, input_ids=input_ids, hidden_states=standard_strides(hidden_states),
+                    position_ids=positions, cache=self.cache, logits_to_keep=1)
 
     def rewind(self, fed: int) -> None:
         """

@@ -9,6 +9,8 @@ counts recompilations per function): the two differ in masks, shapes and the cac
 
 from __future__ import annotations
 
+import torch
+
 
 def chain_step(draft, **kwargs):
     """One chain step: the next token's draft forward (one position per row, causal over the draft's cache).
@@ -28,3 +30,21 @@ def batch_tree_level(draft, **kwargs):
         kwargs: :meth:`Eagle3DraftModel.forward`'s arguments.
     """
     return draft(**kwargs)
+
+
+def standard_strides(x: torch.Tensor) -> torch.Tensor:
+    """
+    ``x`` with the strides of a fresh contiguous tensor of its shape (copied only when they differ). A step's input
+    may be a slice or an expanded view whose strides differ from one step to the next (``contiguous`` keeps the
+    strides of size-1 dimensions), and static compiled steps guard on strides.
+
+    Args:
+        x (`torch.Tensor`): a step's input.
+    """
+    strides, step = [], 1
+    for size in reversed(x.shape):
+        strides.append(step)
+        step *= size
+    if x.stride() == tuple(reversed(strides)):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)

@@ -57,7 +57,8 @@ def check_step_compile(config, device) -> None:
 
 
 def _new_cuda_graph_step(compiled):
-    """``compiled``, each call of which starts a new CUDA-graph step (the previous step's outputs may be overwritten)."""
+    """``compiled``, each call of which starts a new CUDA-graph step (the previous step's outputs may be
+    overwritten)."""
 
     def step(*args, **kwargs):
         torch.compiler.cudagraph_mark_step_begin()
