@@ -156,7 +156,7 @@ def test_auto_schedule_with_rounds_that_draft_nothing_stays_exact(arch, monkeypa
     """``"auto"`` picks one length per round for all rows, 0 included (a plain batched step; the feed waits)."""
     pattern = itertools.cycle([0, 3, 0, 0, 2, 4, 1])
     monkeypatch.setattr(draft_length_policy.Eagle3DraftLengthPolicy, "choose",
-                        lambda self, max_k, feed=1: min(next(pattern), max_k))
+                        lambda self, max_k, feed=1, **batch: min(next(pattern), max_k))
     target, draft = batch_target(arch), batch_draft(arch)
     ids, mask = padded_batch((4, 13, 8, 2), seed=9)
     ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
@@ -183,9 +183,11 @@ def test_tree_auto_sizes_every_round_and_stays_exact(arch, monkeypatch):
     from hf_eagle3.core import tree_policy
 
     sizes, skips = itertools.cycle([1, 5, 20, 2, 36]), itertools.cycle([True, True, False, True])
-    monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", lambda self, probs: min(next(sizes), len(probs)))
-    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: next(skips))
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose",
+                        lambda self, probs, *batch: min(next(sizes), len(probs)))
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *batch: next(skips))
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "levels", lambda self, frontier, most: most)  # every level
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "first_nodes", lambda self, most: 16)
     target, draft = batch_target(arch), batch_draft(arch)
     ids, mask = padded_batch((4, 13, 8, 2), seed=12)
     ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)

@@ -85,8 +85,9 @@ def scripted_auto(monkeypatch):
 
     monkeypatch.setattr(draft_length_policy.Eagle3DraftLengthPolicy, "choose", script([3, 0, 4, 1, 2]))
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", script([5, 8, 2, 7]))
-    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: True)
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *batch: True)
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "levels", lambda self, frontier, most: most)
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "first_nodes", lambda self, most: min(tree_policy.AUTO_FIRST, most))
 
 
 def run(target, draft, ids, config, proposals, **kwargs):

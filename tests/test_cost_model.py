@@ -130,7 +130,7 @@ def scripted_choices(pattern):
     """A ``choose`` that follows ``pattern`` (cycled, capped at ``max_k``) instead of the clock."""
     it = itertools.cycle(pattern)
 
-    def choose(self, max_k, feed=1):
+    def choose(self, max_k, feed=1, **batch):
         return min(next(it), max_k)
 
     return choose

@@ -284,7 +284,7 @@ def test_auto_tree_rounds_without_a_tree_stay_lossless(arch, monkeypatch):
     ref = greedy(target, ids, max_new_tokens=24)
     draft = oracle(tiny_draft(target, seed=8), ref[0].tolist())
     pattern = iter([True, False, False, True, False, True, True, False, False, False] * 5)
-    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: next(pattern))
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *batch: next(pattern))
     fed = []
     original_feed = batch_drafter.Eagle3BatchTreeDrafter.feed
     monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "feed",
@@ -440,7 +440,7 @@ def test_sampling_with_auto_size_and_depth_keeps_target_distribution():
 def test_sampling_with_rounds_without_a_tree_keeps_target_distribution(monkeypatch):
     """Rounds that draft no tree (the root alone is verified, the feed waits) between rounds with one: exact too."""
     pattern = iter([False, True, False, False, True] * 2000)
-    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: next(pattern))
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *batch: next(pattern))
     samples, accepted = tree_samples(500, seed=6000, shape=tree(4, 4, "auto"))
     assert accepted > 0.1, "some rounds must draft and be accepted"
     p = token_p_values(samples, plain_samples())
@@ -478,7 +478,8 @@ def test_smollm2_greedy_identity(smollm2):
 
 
 def test_auto_sizes_each_round_from_the_previous_rounds_candidates(monkeypatch):
-    """"auto" reads nothing back mid-round: the first tree has AUTO_FIRST nodes and all levels, each later one the size
+    """"auto" reads nothing back mid-round: the first tree has the chooser's first size (``first_nodes``: at most
+    AUTO_FIRST nodes) and all levels, each later one the size
     the chooser picked from the previous round's candidates (read back with that round's planes) and one level more
     than the deepest of them needs; a random draft's hopeless candidates shrink the trees, and the output is
     unchanged."""
@@ -497,17 +498,20 @@ def test_auto_sizes_each_round_from_the_previous_rounds_candidates(monkeypatch):
         sizes.append(total)
         return select(self, candidates, roots, total)
 
-    def recording_choose(self, path_probs):
+    def recording_choose(self, path_probs, *batch):
         assert isinstance(path_probs, list) and path_probs == sorted(path_probs, reverse=True)
-        chosen.append(choose(self, path_probs))
+        chosen.append(choose(self, path_probs, *batch))
         return chosen[-1]
 
     monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "select", recording_select)
     monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "expand", recording_expand)
+    first, first_nodes = [], tree_policy.TreeSizeChooser.first_nodes
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", recording_choose)
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "first_nodes",
+                        lambda self, most: first.append(first_nodes(self, most)) or first[-1])
     out = greedy(target, ids, max_new_tokens=24, assistant_model=tiny_draft(target, seed=12), **tree(3, 5, "auto"))
     assert torch.equal(out, ref)
-    assert sizes[0] == min(tree_policy.AUTO_FIRST, tree_policy.auto_most_nodes(5, 3))
+    assert sizes[0] == first[0] <= min(tree_policy.AUTO_FIRST, tree_policy.auto_most_nodes(5, 3))
     assert len(sizes) >= 5 and sizes[1:] == chosen[: len(sizes) - 1]
     assert min(sizes[1:]) < sizes[0]
     assert levels[0] == 5 and all(1 <= d <= min(5, n) for d, n in zip(levels, sizes)) and min(levels[1:]) < 5
@@ -518,8 +522,8 @@ def test_auto_trees_grow_back_after_a_small_one(monkeypatch):
     target = target_of("llama")
     ids = prompt(9, seed=13)
     script = itertools.cycle([1, 8])
-    monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", lambda self, probs: next(script))
-    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self: True)
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", lambda self, probs, *batch: next(script))
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *batch: True)
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "levels", lambda self, frontier, most: most)
     nodes = []
     select = batch_drafter.Eagle3BatchTreeDrafter.select

@@ -22,5 +22,5 @@ The loops
     ``decoding_loop`` (trees at every batch size, chains in batches; batch-1 chains run in Transformers' loop).
 How much to draft
     ``cost_model`` (measured round costs), ``draft_length_policy`` (``"auto"`` for chains), ``tree_policy``
-    (``"auto"`` for trees).
+    (``"auto"`` for trees), ``batch_tail`` (what a round is worth to a batch that ends with its slowest row).
 """

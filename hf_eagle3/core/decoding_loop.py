@@ -78,7 +78,7 @@ def _round_shape(call, draft) -> dict:
         depth, top_k, total = call.tree["depth"], call.tree["top_k"], call.tree["total_tokens"]
         if total == "auto":
             most = auto_most_nodes(depth, top_k)
-            return {"depth": depth, "top_k": top_k, "total": min(AUTO_FIRST, most), "auto": False,
+            return {"depth": depth, "top_k": top_k, "total": min(AUTO_FIRST, most), "auto": False,  # then first_nodes
                     "tree_auto": True, "most": most}
         return {"depth": min(depth, total), "top_k": min(top_k, total), "total": total, "auto": False,
                 "tree_auto": False, "most": total}
@@ -287,6 +287,7 @@ class _Loop:
         if self.shape["tree_auto"]:
             self.chooser = TreeSizeChooser(target_costs(model, input_ids, sizes=AUTO_SIZES))
             self.capture.clear()
+            self.shape["total"] = self.chooser.first_nodes(self.shape["most"])
         self.stopwatch = Stopwatch(input_ids.device) if self.shape["auto"] or self.shape["tree_auto"] else None
         self.round_from = None  # "auto": where the next round's time starts (the previous round's end mark)
         self.next_depth = self.shape["depth"]  # "tree_auto": the levels of the next round's trees
@@ -355,12 +356,13 @@ class _Loop:
         """
         shape, policy, chooser, drafter = self.shape, self.run.policy, self.chooser, self.drafter
         feed = round(sum(drafter.num_pending(b) for b in range(len(self.rows))) / len(self.rows))
+        rows, remaining = len(self.rows), self._remaining()
         if policy is not None:
-            k = policy.choose(shape["depth"], feed=feed)
+            k = policy.choose(shape["depth"], feed=feed, rows=rows, remaining=remaining)
             shape = dict(shape, depth=k, total=k)
         one = _Round(None, 0, feed, started=self._mark())
-        depth = min(shape["depth"], max(self.max_length - len(row.ids) - 1 for row in self.rows))
-        if chooser is not None and depth >= 1 and not chooser.draft_this_round():
+        depth = min(shape["depth"], remaining - 1)
+        if chooser is not None and depth >= 1 and not chooser.draft_this_round(rows, remaining):
             depth = 0  # a plain step for the batch; the feed waits
         elif chooser is not None:
             depth = min(depth, self.next_depth)
@@ -378,6 +380,10 @@ class _Loop:
             one.ranking = candidate_ranking(candidates)
         one.drafted_at = self._mark()
         return one
+
+    def _remaining(self) -> int:
+        """Tokens the unfinished row furthest from ``max_length`` still needs (the batch's rounds end with it)."""
+        return max((self.max_length - len(row.ids) for row in self.rows), default=0)
 
     def verify(self, trees: list) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One target forward of every row's tree (for a batch, compacting the cache first when holes made it too
@@ -511,11 +517,11 @@ class _Loop:
         if not one.drafted:
             chooser.update_plain(seconds)
             return
-        accepted = sum(len(path) - 1 for path in kept) / len(kept)  # per row, as the probabilities are
         nodes, self.next_depth = chooser.observe_tree_round(
-            one.ranking, one.trees[0].tokens.shape[0] - 1, accepted, watch.seconds(one.started, one.drafted_at),
-            max(1, one.levels), seconds, self.shape["depth"], feed_seconds=watch.seconds(one.started, one.fed_at),
-            fed=one.feed)
+            one.ranking, one.trees[0].tokens.shape[0] - 1, [len(path) - 1 for path in kept],
+            watch.seconds(one.started, one.drafted_at), max(1, one.levels), seconds, self.shape["depth"],
+            feed_seconds=watch.seconds(one.started, one.fed_at), fed=one.feed, rows=len(self.rows),
+            remaining=self._remaining())
         self.shape = dict(self.shape, total=nodes)
 
     def output(self, output_class):

@@ -4,13 +4,16 @@ A round that drafts ``k`` tokens yields ``1 + sum_i prod_{j <= i} a_j`` tokens o
 that draft token ``j`` is accepted given that the ones before it were (:class:`Eagle3AcceptanceEstimate`, learnt from
 the rounds so far). :class:`Eagle3DraftLengthPolicy` picks the ``k`` with the most expected tokens per second under
 the measured round costs (:class:`~hf_eagle3.core.cost_model.Eagle3Costs`); when no ``k`` pays it drafts nothing, with
-probe rounds (:class:`ProbeSchedule`) to notice when drafting pays again.
+probe rounds (:class:`ProbeSchedule`) to notice when drafting pays again. In a batch the tokens that count are those
+by which the whole batch nears its end (:func:`~hf_eagle3.core.batch_tail.batch_tokens`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from .batch_tail import batch_tokens
 from .cost_model import Eagle3Costs
 
 PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed at a draft position nothing is known about
@@ -84,6 +87,21 @@ class Eagle3AcceptanceEstimate:
             chain *= rate
             total += chain
         return total
+
+    def tokens_std(self, k: int) -> float:
+        """
+        Standard deviation of a round's tokens when it drafts ``k`` (``T = 1 + accepted``; ``P(T >= t)`` is the
+        product of the first ``t - 1`` rates, so ``E[T^2] = sum_t (2t - 1) P(T >= t)``).
+
+        Args:
+            k (`int`): tokens drafted.
+        """
+        mean, square, chain = 1.0, 1.0, 1.0
+        for t, rate in enumerate(self.rates(k), start=2):
+            chain *= rate
+            mean += chain
+            square += (2 * t - 1) * chain
+        return math.sqrt(max(square - mean * mean, 0.0))
 
     def observe(self, drafted: int, accepted: int) -> None:
         """
@@ -182,21 +200,26 @@ class Eagle3DraftLengthPolicy:
         """Rounds without a draft before the next probe."""
         return self.probes.every
 
-    def tokens_per_second(self, k: int, feed: int = 1) -> float:
+    def tokens_per_second(self, k: int, feed: int = 1, rows: int = 1, remaining: int = 0) -> float:
         """
-        Expected tokens per second of a round drafting ``k`` after feeding ``feed`` positions.
+        Expected tokens per second of a round drafting ``k`` after feeding ``feed`` positions; for a batch, the tokens
+        by which the batch nears its end (:func:`~hf_eagle3.core.batch_tail.batch_tokens`: its slowest row sets its
+        rounds).
 
         Args:
             k (`int`): tokens drafted (0: a plain target step).
             feed (`int`): positions the draft consumes first.
+            rows (`int`): unfinished rows of the batch (1: one sequence).
+            remaining (`int`): tokens the row furthest from its end still needs (used when ``rows > 1``).
         """
         overhead = self.overhead[k > 0]
         if overhead is None:  # not measured yet for this kind of round: the other kind's, else none
             overhead = self.overhead[k == 0] or 0.0
         seconds = self.costs.round_seconds(k, feed) + overhead
-        return self.estimate.expected_tokens(k) / max(seconds, 1e-9)
+        tokens = batch_tokens(self.estimate.expected_tokens(k), self.estimate.tokens_std(k), remaining, rows)
+        return tokens / max(seconds, 1e-9)
 
-    def best(self, max_k: int, feed: int = 1, lowest: int = 0) -> int:
+    def best(self, max_k: int, feed: int = 1, lowest: int = 0, rows: int = 1, remaining: int = 0) -> int:
         """
         The ``k`` in ``lowest..max_k`` with the most expected tokens per second.
 
@@ -204,25 +227,28 @@ class Eagle3DraftLengthPolicy:
             max_k (`int`): longest draft allowed.
             feed (`int`): positions the draft consumes first.
             lowest (`int`): shortest draft considered.
+            rows, remaining: the batch, as :meth:`tokens_per_second` takes it.
         """
-        rates = {k: self.tokens_per_second(k, feed) for k in range(lowest, max_k + 1)}
+        rates = {k: self.tokens_per_second(k, feed, rows, remaining) for k in range(lowest, max_k + 1)}
         return max(rates, key=rates.get)
 
-    def choose(self, max_k: int, feed: int = 1) -> int:
+    def choose(self, max_k: int, feed: int = 1, rows: int = 1, remaining: int = 0) -> int:
         """
         The draft length of the next round, probes included.
 
         Args:
             max_k (`int`): longest draft allowed this round.
             feed (`int`): verified positions the draft has not consumed yet.
+            rows (`int`): unfinished rows of the batch (1: one sequence).
+            remaining (`int`): tokens the row furthest from its end still needs (used when ``rows > 1``).
         """
         if max_k <= 0:
             return 0
-        k = self.best(max_k, feed)
+        k = self.best(max_k, feed, rows=rows, remaining=remaining)
         if k > 0:
             self.probes.drafting()
             return k
-        return self.best(max_k, feed, lowest=1) if self.probes.probe_now() else 0
+        return self.best(max_k, feed, lowest=1, rows=rows, remaining=remaining) if self.probes.probe_now() else 0
 
     def observe(self, drafted: int, accepted: int) -> None:
         """

@@ -4,6 +4,7 @@ accepted tokens of the draft's best candidates against the measured cost of veri
 
 from __future__ import annotations
 
+from .batch_tail import batch_tokens
 from .cost_model import interpolate
 from .draft_length_policy import ProbeSchedule, smooth
 
@@ -14,7 +15,8 @@ MIN_ROUNDS_BEFORE_SKIPPING = 8  # rounds with a tree measured before "auto" may 
 SKIP_BELOW = 0.9  # draft no tree while trees make less than this fraction of a plain step's tokens per second
 SMOOTHING = 0.1  # exponential smoothing of the recent rounds' tokens and seconds
 USUAL_FEED = 8  # positions a feed covers after a round with a tree (more: a feed deferred by rounds without one)
-AUTO_FIRST = 16  # nodes of the first round's tree (each later round is sized from the previous round's candidates)
+AUTO_FIRST = 16  # most nodes of the first round's tree (each later round is sized from the previous round's candidates)
+FIRST_COST = 2.0  # the first round's tree costs the target at most this many plain steps
 
 
 def auto_most_nodes(depth: int, top_k: int) -> int:
@@ -37,7 +39,9 @@ class TreeSizeChooser:
     the target accepts it (the calibration EAGLE-2 builds on), so the sum over the tree estimates the accepted
     length. ``c`` corrects that estimate with the acceptance seen so far: ``(accepted + w) / (predicted + w)``, prior
     1.0 with weight ``w`` = :data:`AUTO_PRIOR_WEIGHT` tokens. The target's forward time for 1 to 64 tokens is measured
-    once per target (and device / dtype) on the machine at hand, and interpolated linearly.
+    once per target (and device / dtype) on the machine at hand, and interpolated linearly. In a batch the tokens
+    that count are those by which the batch nears its end (:func:`~hf_eagle3.core.batch_tail.batch_tokens`: its
+    slowest row sets its rounds), from the spread of the rows' tokens per round seen so far.
 
     Args:
         costs (`dict[int, float]`): seconds of a target forward of n tokens, for a few n.
@@ -53,6 +57,7 @@ class TreeSizeChooser:
         self.rounds = 0
         self.recent_tokens = None  # smoothed tokens and seconds of the recent rounds with a tree
         self.recent_seconds = None
+        self.recent_square = None  # smoothed mean over the rows of a row's tokens squared, rounds with a tree
         self.plain_seconds = None  # smoothed seconds of the recent rounds without one
         self.usual_feed = None  # smoothed seconds of feeding the draft the positions of one round
         self.probes = ProbeSchedule()
@@ -66,16 +71,43 @@ class TreeSizeChooser:
         """
         return interpolate(self.costs, n)
 
-    def draft_this_round(self) -> bool:
+    @property
+    def tokens_std(self) -> float:
+        """The spread of a row's tokens from round to round (rounds with a tree, recent ones weighing most)."""
+        if self.recent_square is None:
+            return 0.0
+        return max(self.recent_square - self.recent_tokens ** 2, 0.0) ** 0.5
+
+    def first_nodes(self, most: int) -> int:
+        """
+        The first round's tree, sized before any candidates are seen: :data:`AUTO_FIRST` nodes, fewer where the
+        target's forward of them would cost more than :data:`FIRST_COST` plain steps (wide batches on a
+        compute-bound device), at least one.
+
+        Args:
+            most (`int`): the most nodes the tree's shape allows.
+        """
+        budget = FIRST_COST * self.target_seconds(1)
+        fits = [n for n in range(1, min(AUTO_FIRST, most) + 1) if self.target_seconds(n + 1) <= budget]
+        return max(fits, default=1)
+
+    def draft_this_round(self, rows: int = 1, remaining: int = 0) -> bool:
         """
         Whether to draft a tree this round: while the recent rounds with a tree made clearly fewer tokens per second
         than a plain target step would (below :data:`SKIP_BELOW` of it; the step measured, or the one-token forward
         time before any), draft nothing but the probes of a :class:`~hf_eagle3.core.draft_length_policy.ProbeSchedule`.
+        In a batch the tokens are those by which the batch nears its end
+        (:func:`~hf_eagle3.core.batch_tail.batch_tokens`).
+
+        Args:
+            rows (`int`): unfinished rows of the batch (1: one sequence).
+            remaining (`int`): tokens the row furthest from its end still needs (used when ``rows > 1``).
         """
         if self.rounds < MIN_ROUNDS_BEFORE_SKIPPING:
             return True  # too little measured yet
         plain = self.plain_seconds if self.plain_seconds is not None else self.target_seconds(1)
-        if self.recent_tokens / self.recent_seconds * plain >= SKIP_BELOW:
+        tokens = batch_tokens(self.recent_tokens, self.tokens_std, remaining, rows)
+        if tokens / self.recent_seconds * plain >= SKIP_BELOW:
             self.probes.drafting()
             return True
         return self.probes.probe_now()
@@ -94,18 +126,20 @@ class TreeSizeChooser:
         """Observed over predicted acceptance, shrunk towards 1.0."""
         return (self.accepted + AUTO_PRIOR_WEIGHT) / (self.predicted + AUTO_PRIOR_WEIGHT)
 
-    def choose(self, path_probs: list[float]) -> int:
+    def choose(self, path_probs: list[float], rows: int = 1, remaining: int = 0) -> int:
         """
         Return the number of drafted nodes N >= 1 with the most expected tokens per second.
 
         Args:
             path_probs (`list[float]`): the candidates' path probabilities, sorted in decreasing order.
+            rows (`int`): unfinished rows of the batch (1: one sequence).
+            remaining (`int`): tokens the row furthest from its end still needs (used when ``rows > 1``).
         """
-        best, best_rate, expected, c = 1, -1.0, 1.0, self.calibration
+        best, best_rate, expected, c, std = 1, -1.0, 1.0, self.calibration, self.tokens_std
         draft = self.draft_seconds / self.rounds if self.rounds else 0.0
         for n, p in enumerate(path_probs[:AUTO_MAX_NODES], start=1):
             expected += c * p
-            rate = expected / (draft + self.target_seconds(n + 1))
+            rate = batch_tokens(expected, std, remaining, rows) / (draft + self.target_seconds(n + 1))
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
@@ -134,9 +168,9 @@ class TreeSizeChooser:
             levels += 1
         return levels
 
-    def observe_tree_round(self, ranking: list, total: int, accepted: float, draft_seconds: float,
+    def observe_tree_round(self, ranking: list, total: int, accepted: list, draft_seconds: float,
                            draft_forwards: int, round_seconds: float, most: int, feed_seconds: float = 0.0,
-                           fed: int = 1) -> tuple[int, int]:
+                           fed: int = 1, rows: int = 1, remaining: int = 0) -> tuple[int, int]:
         """
         Record a round that verified a tree and size the next one from its candidates (after the round's read-back).
 
@@ -144,20 +178,24 @@ class TreeSizeChooser:
             ranking (`list`): the read-back ``tree_drafter.candidate_ranking``: sorted path probabilities, then
                 frontier masses per level.
             total (`int`): drafted nodes of the round's tree (per row).
-            accepted (`float`): drafted tokens accepted (per row).
+            accepted (`list[int]`): drafted tokens accepted, per row of the round.
             draft_seconds, draft_forwards, round_seconds, feed_seconds, fed: as :meth:`update` takes them.
             most (`int`): ``tree_depth``.
+            rows, remaining: the batch the next round drafts for, as :meth:`choose` takes them.
 
         Returns:
             ``(nodes, levels)`` of the next round's tree.
         """
         probs, frontier = ranking
-        self.update(sum(probs[:total]), accepted, draft_seconds, draft_forwards=draft_forwards,
-                    round_seconds=round_seconds, feed_seconds=feed_seconds, fed=fed)
-        return self.choose(probs), self.levels(frontier, most)
+        mean = sum(accepted) / len(accepted)
+        square = sum((a + 1.0) ** 2 for a in accepted) / len(accepted)
+        self.update(sum(probs[:total]), mean, draft_seconds, draft_forwards=draft_forwards,
+                    round_seconds=round_seconds, feed_seconds=feed_seconds, fed=fed, tokens_square=square)
+        return self.choose(probs, rows, remaining), self.levels(frontier, most)
 
     def update(self, predicted: float, accepted: int, draft_seconds: float, draft_forwards: int = 1,
-               round_seconds: float | None = None, feed_seconds: float = 0.0, fed: int = 1) -> None:
+               round_seconds: float | None = None, feed_seconds: float = 0.0, fed: int = 1,
+               tokens_square: float | None = None) -> None:
         """
         Record one round.
 
@@ -170,13 +208,21 @@ class TreeSizeChooser:
                 ``draft_seconds``.
             feed_seconds (`float`): the part of it spent feeding the draft.
             fed (`int`): positions fed. A feed after rounds without a tree covers many positions at once: for the
-                decision to draft (:meth:`draft_this_round`) the round is counted with a usual feed instead.
+                decision to draft (:meth:`draft_this_round`) and for the draft time of the sizes (:meth:`choose`) the
+                round is counted with a usual feed instead.
+            tokens_square (`float`, *optional*): the rows' mean of ``(accepted + 1) ** 2`` (their spread; default:
+                one row's, ``(accepted + 1) ** 2``).
         """
         seconds = draft_seconds if round_seconds is None else round_seconds
         if fed <= USUAL_FEED:
             self.usual_feed = smooth(self.usual_feed, feed_seconds, SMOOTHING)
-        else:  # the prompt's feed, or one deferred by rounds without a tree: counted as a usual one
-            seconds += (self.usual_feed or 0.0) - feed_seconds
+        else:  # the prompt's feed, or one deferred by rounds without a tree: counted as a usual one (before any, as
+            # one more draft forward)
+            usual = self.usual_feed
+            if usual is None:
+                usual = (draft_seconds - feed_seconds) / max(draft_forwards, 1)
+            seconds += usual - feed_seconds
+            draft_seconds += usual - feed_seconds
         self.predicted += predicted
         self.accepted += accepted
         self.draft_seconds += draft_seconds
@@ -186,3 +232,5 @@ class TreeSizeChooser:
         weight = max(SMOOTHING, 1.0 / self.rounds)  # a running mean first, then exponential smoothing
         self.recent_tokens = smooth(self.recent_tokens, accepted + 1.0, weight)
         self.recent_seconds = smooth(self.recent_seconds, seconds, weight)
+        square = (accepted + 1.0) ** 2 if tokens_square is None else tokens_square
+        self.recent_square = smooth(self.recent_square, square, weight)
