@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
+from conftest import tiny_draft
 from test_cost_model import costs, estimate
 
 from hf_eagle3.core import tree_policy
@@ -126,3 +127,39 @@ def test_the_loop_passes_the_batch_to_the_choices(monkeypatch):
     assert seen[0] == (3, 19)  # after the prefill every row has its first token
     assert all(a[1] >= b[1] for a, b in zip(seen, seen[1:])) and all(1 <= r <= 3 for r, _ in seen)
     assert seen[-1][1] >= 2  # a round is only drafted while a row can still use a drafted token
+
+
+def test_tree_chooser_state_carries_to_the_next_call():
+    chooser = tree_policy.TreeSizeChooser({1: 0.04, 64: 0.08})
+    for _ in range(20):
+        chooser.update(predicted=2.0, accepted=0, draft_seconds=0.02, round_seconds=0.1)  # 1 token in 100 ms
+    assert not chooser.draft_this_round()
+    carried = chooser.carried()
+    nxt = tree_policy.TreeSizeChooser.from_carried(chooser.costs, carried)
+    assert nxt.rounds == tree_policy.CARRIED_ROUNDS and nxt.calibration < 0.2  # a prior, not the whole history
+    assert nxt.recent_seconds == chooser.recent_seconds and nxt.probes.every == chooser.probes.every
+    assert not nxt.draft_this_round()  # no rounds spent finding again that trees do not pay
+    assert tree_policy.TreeSizeChooser.from_carried(chooser.costs, None).draft_this_round()
+
+
+def test_a_call_starts_from_the_last_one_at_its_batch_size(monkeypatch):
+    """The tree-size state is kept on the draft per batch (device, dtype, rows, context length): a second call of the
+    same batch size starts from the first's, one of another batch size fresh."""
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=21)
+    started = []
+    from_carried = tree_policy.TreeSizeChooser.from_carried.__func__
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "from_carried",
+                        classmethod(lambda cls, costs, carried: started.append(carried) or from_carried(cls, costs,
+                                                                                                       carried)))
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, target.config.vocab_size, (3, 7), generator=gen)
+    settings = dict(do_sample=False, max_new_tokens=12, assistant_model=draft, tree_top_k=3, tree_depth=3,
+                    tree_total_tokens="auto")
+    for batch in (ids, ids, ids[:2]):
+        out = target.generate(batch, attention_mask=torch.ones_like(batch), **settings)
+        assert torch.equal(out, target.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,
+                                                max_new_tokens=12))
+    assert started[0] is None and started[2] is None
+    assert started[1] is not None and 0 < started[1]["rounds"] <= tree_policy.CARRIED_ROUNDS
+    assert len(draft._tree_size_state) == 2

@@ -31,7 +31,7 @@ import torch
 
 from .acceptance import accept_row, read_back, round_planes
 from .batch_drafter import Eagle3BatchTreeDrafter, take_positions
-from .cost_model import Stopwatch, measure_costs, target_costs
+from .cost_model import Stopwatch, context_length, measure_costs, target_costs
 from .draft_length_policy import Eagle3DraftLengthPolicy
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
 from .stats import Eagle3Stats, publish_stats
@@ -113,6 +113,18 @@ def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None) -> Eag
         carried (`dict`, *optional*): the acceptance carried from the draft's previous call.
     """
     return Eagle3DraftLengthPolicy.from_carried(measure_costs(model, draft, input_ids), carried)
+
+
+def tree_size_key(model, input_ids: torch.LongTensor) -> tuple:
+    """
+    What a ``tree_total_tokens="auto"`` call's carried state is kept under on the draft: the target's device and
+    dtype, the batch size and the context length the costs are timed at (what its times depend on).
+
+    Args:
+        model: the target.
+        input_ids (`torch.LongTensor` [B, L]): the batch.
+    """
+    return str(model.device), str(model.dtype), input_ids.shape[0], context_length(input_ids.shape[1])
 
 
 def check_rows(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> list:
@@ -285,7 +297,10 @@ class _Loop:
             self.capture.clear()  # the timing forwards (once per target and batch size) went through the hooks
         self.chooser = None  # tree_total_tokens="auto": one size per round for the batch
         if self.shape["tree_auto"]:
-            self.chooser = TreeSizeChooser(target_costs(model, input_ids, sizes=AUTO_SIZES))
+            key = tree_size_key(model, input_ids)
+            self.chooser = TreeSizeChooser.from_carried(target_costs(model, input_ids, sizes=AUTO_SIZES),
+                                                        getattr(self.draft_model, "_tree_size_state", {}).get(key))
+            self.run.chooser = (key, self.chooser)
             self.capture.clear()
             self.shape["total"] = self.chooser.first_nodes(self.shape["most"])
         self.stopwatch = Stopwatch(input_ids.device) if self.shape["auto"] or self.shape["tree_auto"] else None
@@ -590,7 +605,8 @@ class _Run:
         self.draft = draft
         self.rows = []
         self.policy = None  # the "auto" draft-length policy, when the call uses it
+        self.chooser = None  # (key, TreeSizeChooser) of a tree_total_tokens="auto" call
 
     def finish(self) -> Eagle3Stats:
         """Publish the statistics on the draft and return their sum."""
-        return publish_stats(self.draft, self.rows, self.policy)
+        return publish_stats(self.draft, self.rows, self.policy, self.chooser)

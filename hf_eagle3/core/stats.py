@@ -127,16 +127,19 @@ class Eagle3Stats:
                 f"{self.num_rounds_without_draft}")
 
 
-def publish_stats(draft, rows: list, policy=None) -> Eagle3Stats:
+def publish_stats(draft, rows: list, policy=None, chooser=None) -> Eagle3Stats:
     """
     The end of a ``generate`` call, for every decoding path: publish the statistics on the draft (``last_stats``, the
     sum over the rows; ``last_batch_stats``, one per row; ``cumulative_stats``) and carry the ``"auto"`` draft-length
-    policy's acceptance estimate to the draft's next call.
+    policy's acceptance estimate, and the tree-size chooser's state at the call's batch size, to the draft's next
+    call.
 
     Args:
         draft (`Eagle3DraftModel`): the draft.
         rows (`list[Eagle3Stats]`): one per sequence (one for batch 1).
         policy (`Eagle3DraftLengthPolicy`, *optional*): the call's ``"auto"`` policy.
+        chooser (`tuple`, *optional*): ``(key, TreeSizeChooser)`` of a ``tree_total_tokens="auto"`` call, the key
+            naming its batch (:func:`~hf_eagle3.core.decoding_loop.tree_size_key`).
 
     Returns:
         `Eagle3Stats`: the sum over the rows.
@@ -146,5 +149,8 @@ def publish_stats(draft, rows: list, policy=None) -> Eagle3Stats:
         total = total + stats
     if policy is not None:
         draft._draft_length_state = policy.carried()
+    if chooser is not None:
+        key, tree_sizes = chooser
+        draft._tree_size_state = {**getattr(draft, "_tree_size_state", {}), key: tree_sizes.carried()}
     draft._record_stats(total, rows=rows)
     return total

@@ -17,6 +17,9 @@ SMOOTHING = 0.1  # exponential smoothing of the recent rounds' tokens and second
 USUAL_FEED = 8  # positions a feed covers after a round with a tree (more: a feed deferred by rounds without one)
 AUTO_FIRST = 16  # most nodes of the first round's tree (each later round is sized from the previous round's candidates)
 FIRST_COST = 2.0  # the first round's tree costs the target at most this many plain steps
+CARRIED_ROUNDS = 8  # at most this many rounds of a call's evidence carry over to the next call at its batch size
+CARRIED = ("accepted", "predicted", "draft_seconds", "draft_forwards", "round_seconds", "rounds")  # scaled down
+KEPT = ("recent_tokens", "recent_seconds", "recent_square", "plain_seconds", "usual_feed")  # carried as they are
 
 
 def auto_most_nodes(depth: int, top_k: int) -> int:
@@ -61,6 +64,35 @@ class TreeSizeChooser:
         self.plain_seconds = None  # smoothed seconds of the recent rounds without one
         self.usual_feed = None  # smoothed seconds of feeding the draft the positions of one round
         self.probes = ProbeSchedule()
+
+    def carried(self) -> dict:
+        """What the next call of the same draft at the same batch size starts from (:meth:`from_carried`): this
+        call's totals scaled down to at most :data:`CARRIED_ROUNDS` rounds of evidence, its recent measures and its
+        probe interval. So a call need not spend its first rounds learning what the last one found (whether trees
+        pay at this batch size, how far the draft's probabilities are to be trusted), and still follows its own
+        text."""
+        scale = min(1.0, CARRIED_ROUNDS / self.rounds) if self.rounds else 0.0
+        state = {name: getattr(self, name) * scale for name in CARRIED}
+        state.update({name: getattr(self, name) for name in KEPT})
+        state["probe_every"] = self.probes.every
+        return state
+
+    @classmethod
+    def from_carried(cls, costs: dict, carried: dict | None) -> "TreeSizeChooser":
+        """
+        A chooser for a new call, starting from what :meth:`carried` returned at the end of the last one at this
+        batch size (or fresh).
+
+        Args:
+            costs (`dict[int, float]`): as the constructor takes them.
+            carried (`dict`, *optional*): the previous call's state.
+        """
+        chooser = cls(costs)
+        if carried:
+            for name in CARRIED + KEPT:
+                setattr(chooser, name, carried[name])
+            chooser.probes = ProbeSchedule(carried["probe_every"])
+        return chooser
 
     def target_seconds(self, n: int) -> float:
         """
