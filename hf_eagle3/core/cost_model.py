@@ -315,6 +315,19 @@ def _context(input_ids: torch.LongTensor) -> torch.LongTensor:
     return context
 
 
+def timing_key(target, input_ids: torch.LongTensor) -> tuple:
+    """
+    What a time measured for ``target`` on ``input_ids`` depends on, and is kept under: the device and dtype of the
+    target's first parameter, the batch size and the :func:`context_length` timed at.
+
+    Args:
+        target (`PreTrainedModel`): the target.
+        input_ids (`torch.LongTensor` [B, L]): the call's prompt.
+    """
+    param = next(target.parameters())
+    return str(param.device), str(param.dtype), input_ids.shape[0], context_length(input_ids.shape[1])
+
+
 def target_costs(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, refresh: bool = False) -> dict:
     """
     Seconds of a target forward of ``n`` new tokens for each ``n`` in ``sizes``, on a cache of
@@ -328,11 +341,11 @@ def target_costs(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, refres
         sizes (`tuple[int]`): numbers of new tokens.
         refresh (`bool`): measure again even when known.
     """
-    param = next(target.parameters())
-    key = (str(param.device), str(param.dtype), input_ids.shape[0], context_length(input_ids.shape[1]), tuple(sizes))
+    key = timing_key(target, input_ids) + (tuple(sizes),)
     known = _TARGET_SECONDS.setdefault(target, {})
     if key not in known or refresh:
-        known[key] = measure_target_seconds(target, _context(input_ids).to(param.device), sizes)
+        device = next(target.parameters()).device
+        known[key] = measure_target_seconds(target, _context(input_ids).to(device), sizes)
     return known[key]
 
 
@@ -349,14 +362,13 @@ def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = Fa
             :func:`context_length`).
         refresh (`bool`): measure again even when known.
     """
-    param = next(target.parameters())
-    context = context_length(input_ids.shape[1])
-    key = (str(param.device), str(param.dtype), input_ids.shape[0], context, str(draft.fc.weight.dtype),
-           tuple(draft.fc.weight.shape), tuple(draft.lm_head.weight.shape) if hasattr(draft, "lm_head") else None,
-           draft.step_call(chain_step))  # the step the rounds run: one object per compile config, or eager
+    key = timing_key(target, input_ids) + (
+        str(draft.fc.weight.dtype), tuple(draft.fc.weight.shape),
+        tuple(draft.lm_head.weight.shape) if hasattr(draft, "lm_head") else None,
+        draft.step_call(chain_step))  # the step the rounds run: one object per compile config, or eager
     known = _COSTS.setdefault(target, {})
     if key not in known or refresh:
         target_seconds = target_costs(target, input_ids, refresh=refresh)
-        feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0], context=context)
+        feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0], context=context_length(input_ids.shape[1]))
         known[key] = Eagle3Costs(target=target_seconds, draft_feed=feed, draft_step=step)
     return known[key]

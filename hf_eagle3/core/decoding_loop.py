@@ -31,7 +31,7 @@ import torch
 
 from .acceptance import accept_row, read_back, round_planes
 from .batch_drafter import Eagle3BatchTreeDrafter, take_positions
-from .cost_model import Stopwatch, context_length, measure_costs, target_costs
+from .cost_model import Stopwatch, measure_costs, target_costs, timing_key
 from .draft_length_policy import Eagle3DraftLengthPolicy
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
 from .stats import Eagle3Stats, publish_stats
@@ -49,7 +49,7 @@ from .target_cache import (
 )
 from .transformers_compat import eos_token_ids
 from .tree_drafter import DraftTree, candidate_ranking
-from .tree_policy import AUTO_FIRST, AUTO_SIZES, TreeSizeChooser, auto_most_nodes
+from .tree_policy import AUTO_SIZES, TreeSizeChooser, auto_most_nodes
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
 
@@ -78,7 +78,7 @@ def _round_shape(call, draft) -> dict:
         depth, top_k, total = call.tree["depth"], call.tree["top_k"], call.tree["total_tokens"]
         if total == "auto":
             most = auto_most_nodes(depth, top_k)
-            return {"depth": depth, "top_k": top_k, "total": min(AUTO_FIRST, most), "auto": False,  # then first_nodes
+            return {"depth": depth, "top_k": top_k, "total": None, "auto": False,  # the chooser's first_nodes
                     "tree_auto": True, "most": most}
         return {"depth": min(depth, total), "top_k": min(top_k, total), "total": total, "auto": False,
                 "tree_auto": False, "most": total}
@@ -113,18 +113,6 @@ def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None) -> Eag
         carried (`dict`, *optional*): the acceptance carried from the draft's previous call.
     """
     return Eagle3DraftLengthPolicy.from_carried(measure_costs(model, draft, input_ids), carried)
-
-
-def tree_size_key(model, input_ids: torch.LongTensor) -> tuple:
-    """
-    What a ``tree_total_tokens="auto"`` call's carried state is kept under on the draft: the target's device and
-    dtype, the batch size and the context length the costs are timed at (what its times depend on).
-
-    Args:
-        model: the target.
-        input_ids (`torch.LongTensor` [B, L]): the batch.
-    """
-    return str(model.device), str(model.dtype), input_ids.shape[0], context_length(input_ids.shape[1])
 
 
 def check_rows(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> list:
@@ -297,7 +285,7 @@ class _Loop:
             self.capture.clear()  # the timing forwards (once per target and batch size) went through the hooks
         self.chooser = None  # tree_total_tokens="auto": one size per round for the batch
         if self.shape["tree_auto"]:
-            key = tree_size_key(model, input_ids)
+            key = timing_key(model, input_ids)  # what the chooser's measures depend on
             self.chooser = TreeSizeChooser.from_carried(target_costs(model, input_ids, sizes=AUTO_SIZES),
                                                         getattr(self.draft_model, "_tree_size_state", {}).get(key))
             self.run.chooser = (key, self.chooser)

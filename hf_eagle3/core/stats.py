@@ -139,7 +139,7 @@ def publish_stats(draft, rows: list, policy=None, chooser=None) -> Eagle3Stats:
         rows (`list[Eagle3Stats]`): one per sequence (one for batch 1).
         policy (`Eagle3DraftLengthPolicy`, *optional*): the call's ``"auto"`` policy.
         chooser (`tuple`, *optional*): ``(key, TreeSizeChooser)`` of a ``tree_total_tokens="auto"`` call, the key
-            naming its batch (:func:`~hf_eagle3.core.decoding_loop.tree_size_key`).
+            naming what its measures depend on (:func:`~hf_eagle3.core.cost_model.timing_key`).
 
     Returns:
         `Eagle3Stats`: the sum over the rows.
