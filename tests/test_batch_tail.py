@@ -1,10 +1,12 @@
 """A batched call ends with its slowest row: ``"auto"`` in batches weighs a round by the tokens that bring the whole
-batch nearer its end (``batch_tail.batch_tokens``), not by the average row's.
+batch nearer its end (``batch_tail.BatchRows.tokens``), not by the average row's.
 
-The model is checked against a simulation of rows that draw their tokens per round at random; the chain policy and
-the tree-size chooser draft for one sequence where they draft nothing for a wide batch with the same per-row gain;
-the tree chooser's first size comes from the measured costs; the loop passes each round's
-unfinished rows and the longest remainder.
+The model is checked against simulations of rows that draw their tokens per round at random, alike and with
+acceptance that differs from row to row; the rows' shares are shrunk towards the batch's where their rounds'
+chance explains the difference; the chain policy and the tree-size chooser draft for one sequence where they draft
+nothing for a wide batch with the same per-row gain, and for a batch of rows alike where they draft nothing for one
+with a row the draft reads badly; the tree chooser's first size comes from the measured costs; the loop passes each
+round's unfinished rows, their remainders and their acceptance so far.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from conftest import tiny_draft
 from test_cost_model import costs, estimate
 
 from hf_eagle3.core import tree_policy
-from hf_eagle3.core.batch_tail import batch_tokens, expected_max_of_normals
+from hf_eagle3.core.batch_tail import BatchRows, expected_max_of_normals
 from hf_eagle3.core.draft_length_policy import Eagle3AcceptanceEstimate, Eagle3DraftLengthPolicy
 
 
@@ -40,7 +42,7 @@ def chain_tokens(rng: random.Random, rate: float, k: int) -> int:
 
 
 @pytest.mark.parametrize("rows,remaining", [(2, 48), (4, 48), (8, 48), (8, 256)])
-def test_batch_tokens_match_a_simulated_batch(rows, remaining):
+def test_batch_tokens_match_a_simulated_batch_of_rows_alike(rows, remaining):
     rng = random.Random(rows * 1000 + remaining)
     draws = [chain_tokens(rng, 0.6, 4) for _ in range(50_000)]
     mean = sum(draws) / len(draws)
@@ -53,16 +55,55 @@ def test_batch_tokens_match_a_simulated_batch(rows, remaining):
             count += 1
         rounds.append(count)
     simulated = remaining / (sum(rounds) / len(rounds))
-    assert batch_tokens(mean, std, remaining, rows) == pytest.approx(simulated, rel=0.04)
+    assert BatchRows.alike(rows, remaining).tokens(mean, std) == pytest.approx(simulated, rel=0.04)
     assert simulated < 0.97 * mean  # the tail is real: what the model corrects
 
 
 def test_batch_tokens_shape():
-    assert batch_tokens(2.5, 1.3, 48, 1) == 2.5  # one row: its own
-    assert batch_tokens(1.0, 0.0, 48, 8) == 1.0  # plain steps: every row one token a round
-    wider = [batch_tokens(2.5, 1.3, 48, rows) for rows in (1, 2, 4, 8)]
+    assert BatchRows.alike(1, 48).tokens(2.5, 1.3) == 2.5  # one row: its own
+    assert BatchRows().tokens(2.5, 1.3) == 2.5  # one sequence
+    assert BatchRows.alike(8, 48).tokens(1.0, 0.0) == 1.0  # plain steps: every row one token a round
+    wider = [BatchRows.alike(rows, 48).tokens(2.5, 1.3) for rows in (1, 2, 4, 8)]
     assert wider == sorted(wider, reverse=True) and wider[-1] < 0.88 * 2.5
-    assert batch_tokens(2.5, 1.3, 1000, 8) > batch_tokens(2.5, 1.3, 48, 8)  # the tail weighs less on long remainders
+    assert BatchRows.alike(8, 1000).tokens(2.5, 1.3) > BatchRows.alike(8, 48).tokens(2.5, 1.3)  # long remainders
+
+
+def row_history(rng: random.Random, rates: list, rounds: int) -> BatchRows:
+    """Rows that drafted ``rounds`` chains of 4 at their own acceptance rates, 48 tokens to go each."""
+    accepted = [sum(chain_tokens(rng, rate, 4) - 1 for _ in range(rounds)) for rate in rates]
+    return BatchRows((48,) * len(rates), tuple(accepted), (rounds,) * len(rates))
+
+
+def test_batch_tokens_match_a_simulated_batch_of_rows_that_differ():
+    rng = random.Random(7)
+    rates = [0.35, 0.8, 0.8, 0.8]  # the draft reads one prompt badly
+    draws = [chain_tokens(rng, rates[i % 4], 4) for i in range(80_000)]  # over rows and rounds together
+    mean = sum(draws) / len(draws)
+    std = math.sqrt(sum((d - mean) ** 2 for d in draws) / len(draws))
+    rounds = []
+    for _ in range(2000):
+        need, count = [48] * 4, 0
+        while max(need) > 0:
+            need = [n - chain_tokens(rng, rate, 4) if n > 0 else n for n, rate in zip(need, rates)]
+            count += 1
+        rounds.append(count)
+    simulated = 48 / (sum(rounds) / len(rounds))
+    history = row_history(rng, rates, 200)
+    assert history.tokens(mean, std) == pytest.approx(simulated, rel=0.06)
+    assert BatchRows.alike(4, 48).tokens(mean, std) > 1.15 * simulated  # rows taken alike: far too hopeful
+
+
+def test_row_shares_shrink_towards_the_batch_where_chance_explains_the_difference():
+    rng = random.Random(11)
+    histories = [row_history(rng, [0.6] * 8, 8) for _ in range(200)]  # eight rounds of rows alike (std 1.4)
+    lowest = [min(history.shares(1.4)[0]) for history in histories]
+    assert sum(lowest) / len(lowest) > 0.9  # unshrunk, the unluckiest of eight rows would average about 0.5
+    ratio = [history.tokens(2.3, 1.4) / BatchRows.alike(8, 48).tokens(2.3, 1.4) for history in histories]
+    assert sum(ratio) / len(ratio) > 0.95  # chance costs the batch little
+    shares, within = row_history(rng, [0.3, 0.85] * 4, 30).shares(1.3)
+    assert max(shares[0::2]) < 0.6 < 1.3 < min(shares[1::2])  # rows that keep differing keep their own
+    assert within < 1.3  # their difference is not counted as chance again
+    assert BatchRows((48, 48), (5, 0), (3, 0)).shares(1.0)[0] == [1.0, 1.0]  # one row with drafts: nothing to compare
 
 
 def test_tokens_std_of_a_chain():
@@ -83,8 +124,8 @@ def test_chain_policy_drafts_for_one_row_and_not_for_a_wide_batch_with_a_short_r
     # Verification costs 0.25 a token: k = 1 makes 1.5 tokens in 1.3 s, 1.15 a second against a plain step's 1
     policy = Eagle3DraftLengthPolicy(costs(verify_slope=0.25, step=0.05), estimate(0.5))
     assert policy.best(4) > 0
-    assert policy.best(4, rows=8, remaining=8) == 0
-    assert policy.best(4, rows=8, remaining=10_000) > 0  # over a long remainder the tail hardly counts
+    assert policy.best(4, batch=BatchRows.alike(8, 8)) == 0
+    assert policy.best(4, batch=BatchRows.alike(8, 10_000)) > 0  # over a long remainder the tail hardly counts
 
 
 def test_tree_chooser_counts_the_tail():
@@ -96,8 +137,20 @@ def test_tree_chooser_counts_the_tail():
     chooser = tree_policy.TreeSizeChooser({1: 0.04, 64: 0.08})
     for tokens in [1, 4, 1, 5, 2, 1, 4, 2] * 2:
         chooser.update(predicted=2.0, accepted=tokens - 1, draft_seconds=0.02, round_seconds=0.1)
-    decisions = [chooser.draft_this_round(rows=8, remaining=24) for _ in range(4)]
+    decisions = [chooser.draft_this_round(BatchRows.alike(8, 24)) for _ in range(4)]
     assert decisions == [False] * 4  # eight rows, 24 tokens to go: the slowest row makes far less
+
+
+def test_tree_chooser_skips_for_a_batch_with_a_row_the_draft_reads_badly():
+    def measured():
+        chooser = tree_policy.TreeSizeChooser({1: 0.04, 64: 0.08})
+        for tokens in [2, 3, 2, 4, 2, 3, 2, 4] * 2:  # 2.75 tokens a row in 100 ms, 1.1 plain steps' worth
+            chooser.update(predicted=2.0, accepted=tokens - 1, draft_seconds=0.02, round_seconds=0.1)
+        return chooser
+    alike = BatchRows((400,) * 4, (28,) * 4, (16,) * 4)
+    assert measured().draft_this_round(alike)
+    one_bad = BatchRows((400,) * 4, (4, 36, 36, 36), (16,) * 4)  # the same mean, one row far below it
+    assert [measured().draft_this_round(one_bad) for _ in range(4)] == [False] * 4
 
 
 def test_tree_chooser_first_size_follows_the_costs():
@@ -109,12 +162,12 @@ def test_tree_chooser_first_size_follows_the_costs():
 
 
 def test_the_loop_passes_the_batch_to_the_choices(monkeypatch):
-    """Every round's decisions get the unfinished rows and what the row furthest from its end still needs."""
-    seen = []
+    """Every round's decisions get the unfinished rows: what each still needs and its acceptance so far."""
+    seen, batches = [], []
     draft_this_round = tree_policy.TreeSizeChooser.draft_this_round
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round",
-                        lambda self, rows, remaining: seen.append((rows, remaining)) or draft_this_round(
-                            self, rows, remaining))
+                        lambda self, batch: seen.append((batch.rows, max(batch.remaining))) or batches.append(
+                            batch) or draft_this_round(self, batch))
     target, draft = target_of("llama"), draft_of("llama")
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(3, target.config.vocab_size, (3, 7), generator=gen)
@@ -127,6 +180,9 @@ def test_the_loop_passes_the_batch_to_the_choices(monkeypatch):
     assert seen[0] == (3, 19)  # after the prefill every row has its first token
     assert all(a[1] >= b[1] for a, b in zip(seen, seen[1:])) and all(1 <= r <= 3 for r, _ in seen)
     assert seen[-1][1] >= 2  # a round is only drafted while a row can still use a drafted token
+    assert batches[0].drafts == (0, 0, 0) and all(len(b.accepted) == len(b.drafts) == b.rows for b in batches)
+    last = batches[-1]
+    assert sum(last.drafts) > 0 and all(a <= 3 * d for a, d in zip(last.accepted, last.drafts))  # depth 3
 
 
 def test_tree_chooser_state_carries_to_the_next_call():

@@ -1,11 +1,13 @@
 """What a round is worth to a batch: a batched call ends with its slowest row, so the rounds it runs are those of
-the row that needs the most, not of the average row. :func:`batch_tokens` turns a row's expected tokens per round
-into the tokens per round by which the whole batch nears its end, for the ``"auto"`` choices of batched calls.
+the row that needs the most rounds, not of the average row. :class:`BatchRows` describes the unfinished rows a round
+drafts for and turns a row's expected tokens per round into the tokens per round by which the whole batch nears its
+end, for the ``"auto"`` choices of batched calls.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 
@@ -29,26 +31,114 @@ def expected_max_of_normals(n: int) -> float:
     return total
 
 
-def batch_tokens(mean: float, std: float, remaining: int, rows: int) -> float:
+@dataclass
+class BatchRows:
     r"""
-    Tokens per round by which a batch nears its end when each of its rows gains ``mean`` tokens a round (spread
-    ``std`` from round to round) and the row furthest from its end still needs ``remaining``.
+    The unfinished rows a round drafts for: what each still needs and how well the draft has done on it so far.
 
-    A row needing ``r`` tokens finishes after about ``r / mean`` rounds, give or take ``sqrt(r) * std / mean^1.5``
-    (renewal counting); the batch runs until its last row does, about ``z`` of those spreads longer,
-    ``z`` = :func:`expected_max_of_normals` ``(rows)``. Over the ``r`` tokens that makes
+    A row needing ``r`` tokens at ``m`` a round (spread ``s`` from round to round) finishes after about ``r / m``
+    rounds, give or take ``sqrt(r) * s / m^1.5`` (renewal counting); the batch runs until its last row does. Rows
+    differ: a prompt the draft reads well gains more a round than one it reads badly, and the row the draft reads
+    worst sets the batch's rounds. :meth:`tokens` takes each row's gain from its share of the accepted drafted tokens,
+    ``m_b = 1 + share_b * (m - 1)`` (its spread ``s * sqrt(share_b)``), and the batch's rounds as the slowest row's
+    plus ``z`` of its spreads, ``z`` = :func:`expected_max_of_normals` of the rows in contention with it (each
+    weighted by how close its expected rounds are, in their spreads): the rows' rounds vary at random too. For rows
+    alike that is ``z(rows)``, and
 
-    ``mean / (1 + z * std / sqrt(r * mean))``
+    ``m / (1 + z * s / sqrt(r * m))``
 
-    tokens a round: the row's own ``mean`` for one row, less for wide batches and short remainders. A plain target
-    step gains every row exactly one token (``std`` 0), so it keeps its one.
+    tokens a round: the row's own ``m`` for one row, less for wide batches and short remainders. A row's share is its
+    own accepted tokens per draft shrunk towards the batch's (empirical Bayes: by how far the rows' means differ
+    beyond what their rounds' spread explains), so a few unlucky rounds do not single a row out, while rows that
+    keep differing do.
 
     Args:
-        mean (`float`): a row's expected tokens per round (the target's own token included).
-        std (`float`): their standard deviation from round to round.
-        remaining (`int`): tokens the row furthest from its end still needs (``max_length`` bound).
-        rows (`int`): unfinished rows of the batch.
+        remaining (`tuple[int]`): per row, tokens it still needs (the ``max_length`` bound); ``(0,)``: one sequence,
+            nothing to weigh.
+        accepted (`tuple[int]`): per row, drafted tokens the target accepted so far in the call (empty: unknown,
+            rows alike).
+        drafts (`tuple[int]`): per row, rounds that verified a draft so far in the call.
     """
-    if rows <= 1 or remaining <= 0 or mean <= 0 or std <= 0:
-        return mean
-    return mean / (1.0 + expected_max_of_normals(rows) * std / math.sqrt(remaining * mean))
+
+    remaining: tuple = (0,)
+    accepted: tuple = ()
+    drafts: tuple = ()
+    _shares: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def alike(cls, rows: int, remaining: int) -> "BatchRows":
+        """
+        ``rows`` rows that each still need ``remaining`` tokens, with no acceptance seen yet (rows alike).
+
+        Args:
+            rows (`int`): unfinished rows.
+            remaining (`int`): tokens each still needs.
+        """
+        return cls((remaining,) * rows)
+
+    @property
+    def rows(self) -> int:
+        """Unfinished rows."""
+        return len(self.remaining)
+
+    def shares(self, std: float) -> tuple[list, float]:
+        """
+        Each row's accepted drafted tokens per draft relative to the batch's, shrunk towards 1, and the spread of a
+        row's tokens from round to round once the rows' own means are taken out.
+
+        Args:
+            std (`float`): the spread of a row's tokens per round, over rows and rounds together.
+
+        Returns:
+            ``(shares, within)``: one share per row (1.0 for a row without a draft yet), and the spread within a row.
+        """
+        if std in self._shares:
+            return self._shares[std]
+        seen = [(a, d) for a, d in zip(self.accepted, self.drafts) if d > 0]
+        grand = sum(a for a, _ in seen) / max(sum(d for _, d in seen), 1)
+        shares, within = [1.0] * self.rows, std * std
+        if len(seen) >= 2 and grand > 0:
+            spread = sum((a / d - grand) ** 2 for a, d in seen) / len(seen)
+            between = 0.0
+            for _ in range(2):  # the rows' true means differ by `between`; the rest is each round's chance
+                between = max(spread - sum(within / d for _, d in seen) / len(seen), 0.0)
+                within = max(std * std - between, 0.0)
+            if between > 0:
+                for b, (a, d) in enumerate(zip(self.accepted, self.drafts)):
+                    if d > 0:
+                        weight = between / (between + within / d)
+                        shares[b] = (grand + weight * (a / d - grand)) / grand
+        self._shares[std] = (shares, math.sqrt(within))
+        return self._shares[std]
+
+    def tokens(self, mean: float, std: float) -> float:
+        """
+        Tokens per round by which the batch nears its end when the average row gains ``mean`` tokens a round
+        (spread ``std`` over rows and rounds); ``mean`` itself for one row, and for plain target steps (``std`` 0:
+        every row gains one token a round).
+
+        Args:
+            mean (`float`): a row's expected tokens per round (the target's own token included).
+            std (`float`): their standard deviation.
+        """
+        longest = max(self.remaining, default=0)
+        if self.rows <= 1 or longest <= 0 or mean <= 0 or std <= 0:
+            return mean
+        shares, within = self.shares(std)
+        rounds = []  # per row: the expected rounds it needs, and their spread
+        for need, share in zip(self.remaining, shares):
+            gain = max(1.0 + share * (mean - 1.0), 1e-6)
+            need = max(need, 1)
+            spread = within * math.sqrt(share)  # a row accepting less also varies less (Poisson-like)
+            rounds.append((need / gain, math.sqrt(need) * spread / gain ** 1.5))
+        slowest, spread = max(rounds)
+        # The rows in contention with the slowest (alike: all of them; one far behind the rest: itself alone).
+        contenders = sum(math.exp(-0.5 * (slowest - r) ** 2 / (spread ** 2 + s ** 2)) if spread + s > 0 else
+                         float(r == slowest) for r, s in rounds)
+        low = int(contenders)
+        z = expected_max_of_normals(low) + (contenders - low) * (
+            expected_max_of_normals(low + 1) - expected_max_of_normals(low))
+        return longest / (slowest + z * spread)
+
+
+ONE_ROW = BatchRows()  # one sequence: a round is worth its own tokens

@@ -31,6 +31,7 @@ import torch
 
 from .acceptance import accept_row, read_back, round_planes
 from .batch_drafter import Eagle3BatchTreeDrafter, take_positions
+from .batch_tail import BatchRows
 from .cost_model import Stopwatch, measure_costs, target_costs, timing_key
 from .draft_length_policy import Eagle3DraftLengthPolicy
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
@@ -359,13 +360,13 @@ class _Loop:
         """
         shape, policy, chooser, drafter = self.shape, self.run.policy, self.chooser, self.drafter
         feed = round(sum(drafter.num_pending(b) for b in range(len(self.rows))) / len(self.rows))
-        rows, remaining = len(self.rows), self._remaining()
+        batch = self._batch()
         if policy is not None:
-            k = policy.choose(shape["depth"], feed=feed, rows=rows, remaining=remaining)
+            k = policy.choose(shape["depth"], feed=feed, batch=batch)
             shape = dict(shape, depth=k, total=k)
         one = _Round(None, 0, feed, started=self._mark())
-        depth = min(shape["depth"], remaining - 1)
-        if chooser is not None and depth >= 1 and not chooser.draft_this_round(rows, remaining):
+        depth = min(shape["depth"], max(batch.remaining) - 1)
+        if chooser is not None and depth >= 1 and not chooser.draft_this_round(batch):
             depth = 0  # a plain step for the batch; the feed waits
         elif chooser is not None:
             depth = min(depth, self.next_depth)
@@ -384,9 +385,12 @@ class _Loop:
         one.drafted_at = self._mark()
         return one
 
-    def _remaining(self) -> int:
-        """Tokens the unfinished row furthest from ``max_length`` still needs (the batch's rounds end with it)."""
-        return max((self.max_length - len(row.ids) for row in self.rows), default=0)
+    def _batch(self) -> BatchRows:
+        """The unfinished rows as the ``"auto"`` choices weigh them: the tokens each still needs to ``max_length``
+        and the draft's acceptance on it so far (the batch's rounds end with its slowest row)."""
+        return BatchRows(tuple(self.max_length - len(row.ids) for row in self.rows),
+                         tuple(row.stats.num_accepted_tokens for row in self.rows),
+                         tuple(row.stats.num_drafts for row in self.rows))
 
     def verify(self, trees: list) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One target forward of every row's tree (for a batch, compacting the cache first when holes made it too
@@ -523,8 +527,7 @@ class _Loop:
         nodes, self.next_depth = chooser.observe_tree_round(
             one.ranking, one.trees[0].tokens.shape[0] - 1, [len(path) - 1 for path in kept],
             watch.seconds(one.started, one.drafted_at), max(1, one.levels), seconds, self.shape["depth"],
-            feed_seconds=watch.seconds(one.started, one.fed_at), fed=one.feed, rows=len(self.rows),
-            remaining=self._remaining())
+            feed_seconds=watch.seconds(one.started, one.fed_at), fed=one.feed, batch=self._batch())
         self.shape = dict(self.shape, total=nodes)
 
     def output(self, output_class):

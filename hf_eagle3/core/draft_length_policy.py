@@ -5,7 +5,7 @@ that draft token ``j`` is accepted given that the ones before it were (:class:`E
 the rounds so far). :class:`Eagle3DraftLengthPolicy` picks the ``k`` with the most expected tokens per second under
 the measured round costs (:class:`~hf_eagle3.core.cost_model.Eagle3Costs`); when no ``k`` pays it drafts nothing, with
 probe rounds (:class:`ProbeSchedule`) to notice when drafting pays again. In a batch the tokens that count are those
-by which the whole batch nears its end (:func:`~hf_eagle3.core.batch_tail.batch_tokens`).
+by which the whole batch nears its end (:class:`~hf_eagle3.core.batch_tail.BatchRows`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .batch_tail import batch_tokens
+from .batch_tail import ONE_ROW, BatchRows
 from .cost_model import Eagle3Costs
 
 PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed at a draft position nothing is known about
@@ -200,26 +200,25 @@ class Eagle3DraftLengthPolicy:
         """Rounds without a draft before the next probe."""
         return self.probes.every
 
-    def tokens_per_second(self, k: int, feed: int = 1, rows: int = 1, remaining: int = 0) -> float:
+    def tokens_per_second(self, k: int, feed: int = 1, batch: BatchRows = ONE_ROW) -> float:
         """
         Expected tokens per second of a round drafting ``k`` after feeding ``feed`` positions; for a batch, the tokens
-        by which the batch nears its end (:func:`~hf_eagle3.core.batch_tail.batch_tokens`: its slowest row sets its
-        rounds).
+        by which the batch nears its end (:meth:`~hf_eagle3.core.batch_tail.BatchRows.tokens`: its slowest row sets
+        its rounds).
 
         Args:
             k (`int`): tokens drafted (0: a plain target step).
             feed (`int`): positions the draft consumes first.
-            rows (`int`): unfinished rows of the batch (1: one sequence).
-            remaining (`int`): tokens the row furthest from its end still needs (used when ``rows > 1``).
+            batch (`BatchRows`): the unfinished rows (default: one sequence).
         """
         overhead = self.overhead[k > 0]
         if overhead is None:  # not measured yet for this kind of round: the other kind's, else none
             overhead = self.overhead[k == 0] or 0.0
         seconds = self.costs.round_seconds(k, feed) + overhead
-        tokens = batch_tokens(self.estimate.expected_tokens(k), self.estimate.tokens_std(k), remaining, rows)
+        tokens = batch.tokens(self.estimate.expected_tokens(k), self.estimate.tokens_std(k))
         return tokens / max(seconds, 1e-9)
 
-    def best(self, max_k: int, feed: int = 1, lowest: int = 0, rows: int = 1, remaining: int = 0) -> int:
+    def best(self, max_k: int, feed: int = 1, lowest: int = 0, batch: BatchRows = ONE_ROW) -> int:
         """
         The ``k`` in ``lowest..max_k`` with the most expected tokens per second.
 
@@ -227,28 +226,27 @@ class Eagle3DraftLengthPolicy:
             max_k (`int`): longest draft allowed.
             feed (`int`): positions the draft consumes first.
             lowest (`int`): shortest draft considered.
-            rows, remaining: the batch, as :meth:`tokens_per_second` takes it.
+            batch (`BatchRows`): the unfinished rows (default: one sequence).
         """
-        rates = {k: self.tokens_per_second(k, feed, rows, remaining) for k in range(lowest, max_k + 1)}
+        rates = {k: self.tokens_per_second(k, feed, batch) for k in range(lowest, max_k + 1)}
         return max(rates, key=rates.get)
 
-    def choose(self, max_k: int, feed: int = 1, rows: int = 1, remaining: int = 0) -> int:
+    def choose(self, max_k: int, feed: int = 1, batch: BatchRows = ONE_ROW) -> int:
         """
         The draft length of the next round, probes included.
 
         Args:
             max_k (`int`): longest draft allowed this round.
             feed (`int`): verified positions the draft has not consumed yet.
-            rows (`int`): unfinished rows of the batch (1: one sequence).
-            remaining (`int`): tokens the row furthest from its end still needs (used when ``rows > 1``).
+            batch (`BatchRows`): the unfinished rows (default: one sequence).
         """
         if max_k <= 0:
             return 0
-        k = self.best(max_k, feed, rows=rows, remaining=remaining)
+        k = self.best(max_k, feed, batch=batch)
         if k > 0:
             self.probes.drafting()
             return k
-        return self.best(max_k, feed, lowest=1, rows=rows, remaining=remaining) if self.probes.probe_now() else 0
+        return self.best(max_k, feed, lowest=1, batch=batch) if self.probes.probe_now() else 0
 
     def observe(self, drafted: int, accepted: int) -> None:
         """

@@ -4,7 +4,7 @@ accepted tokens of the draft's best candidates against the measured cost of veri
 
 from __future__ import annotations
 
-from .batch_tail import batch_tokens
+from .batch_tail import ONE_ROW, BatchRows
 from .cost_model import interpolate
 from .draft_length_policy import ProbeSchedule, smooth
 
@@ -43,8 +43,8 @@ class TreeSizeChooser:
     length. ``c`` corrects that estimate with the acceptance seen so far: ``(accepted + w) / (predicted + w)``, prior
     1.0 with weight ``w`` = :data:`AUTO_PRIOR_WEIGHT` tokens. The target's forward time for 1 to 64 tokens is measured
     once per target (and device / dtype) on the machine at hand, and interpolated linearly. In a batch the tokens
-    that count are those by which the batch nears its end (:func:`~hf_eagle3.core.batch_tail.batch_tokens`: its
-    slowest row sets its rounds), from the spread of the rows' tokens per round seen so far.
+    that count are those by which the batch nears its end (:meth:`~hf_eagle3.core.batch_tail.BatchRows.tokens`: its
+    slowest row sets its rounds), from the rows' acceptance and the spread of their tokens per round seen so far.
 
     Args:
         costs (`dict[int, float]`): seconds of a target forward of n tokens, for a few n.
@@ -123,22 +123,21 @@ class TreeSizeChooser:
         fits = [n for n in range(1, min(AUTO_FIRST, most) + 1) if self.target_seconds(n + 1) <= budget]
         return max(fits, default=1)
 
-    def draft_this_round(self, rows: int = 1, remaining: int = 0) -> bool:
+    def draft_this_round(self, batch: BatchRows = ONE_ROW) -> bool:
         """
         Whether to draft a tree this round: while the recent rounds with a tree made clearly fewer tokens per second
         than a plain target step would (below :data:`SKIP_BELOW` of it; the step measured, or the one-token forward
         time before any), draft nothing but the probes of a :class:`~hf_eagle3.core.draft_length_policy.ProbeSchedule`.
         In a batch the tokens are those by which the batch nears its end
-        (:func:`~hf_eagle3.core.batch_tail.batch_tokens`).
+        (:meth:`~hf_eagle3.core.batch_tail.BatchRows.tokens`).
 
         Args:
-            rows (`int`): unfinished rows of the batch (1: one sequence).
-            remaining (`int`): tokens the row furthest from its end still needs (used when ``rows > 1``).
+            batch (`BatchRows`): the unfinished rows (default: one sequence).
         """
         if self.rounds < MIN_ROUNDS_BEFORE_SKIPPING:
             return True  # too little measured yet
         plain = self.plain_seconds if self.plain_seconds is not None else self.target_seconds(1)
-        tokens = batch_tokens(self.recent_tokens, self.tokens_std, remaining, rows)
+        tokens = batch.tokens(self.recent_tokens, self.tokens_std)
         if tokens / self.recent_seconds * plain >= SKIP_BELOW:
             self.probes.drafting()
             return True
@@ -158,20 +157,19 @@ class TreeSizeChooser:
         """Observed over predicted acceptance, shrunk towards 1.0."""
         return (self.accepted + AUTO_PRIOR_WEIGHT) / (self.predicted + AUTO_PRIOR_WEIGHT)
 
-    def choose(self, path_probs: list[float], rows: int = 1, remaining: int = 0) -> int:
+    def choose(self, path_probs: list[float], batch: BatchRows = ONE_ROW) -> int:
         """
         Return the number of drafted nodes N >= 1 with the most expected tokens per second.
 
         Args:
             path_probs (`list[float]`): the candidates' path probabilities, sorted in decreasing order.
-            rows (`int`): unfinished rows of the batch (1: one sequence).
-            remaining (`int`): tokens the row furthest from its end still needs (used when ``rows > 1``).
+            batch (`BatchRows`): the unfinished rows (default: one sequence).
         """
         best, best_rate, expected, c, std = 1, -1.0, 1.0, self.calibration, self.tokens_std
         draft = self.draft_seconds / self.rounds if self.rounds else 0.0
         for n, p in enumerate(path_probs[:AUTO_MAX_NODES], start=1):
             expected += c * p
-            rate = batch_tokens(expected, std, remaining, rows) / (draft + self.target_seconds(n + 1))
+            rate = batch.tokens(expected, std) / (draft + self.target_seconds(n + 1))
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
@@ -202,7 +200,7 @@ class TreeSizeChooser:
 
     def observe_tree_round(self, ranking: list, total: int, accepted: list, draft_seconds: float,
                            draft_forwards: int, round_seconds: float, most: int, feed_seconds: float = 0.0,
-                           fed: int = 1, rows: int = 1, remaining: int = 0) -> tuple[int, int]:
+                           fed: int = 1, batch: BatchRows = ONE_ROW) -> tuple[int, int]:
         """
         Record a round that verified a tree and size the next one from its candidates (after the round's read-back).
 
@@ -213,7 +211,7 @@ class TreeSizeChooser:
             accepted (`list[int]`): drafted tokens accepted, per row of the round.
             draft_seconds, draft_forwards, round_seconds, feed_seconds, fed: as :meth:`update` takes them.
             most (`int`): ``tree_depth``.
-            rows, remaining: the batch the next round drafts for, as :meth:`choose` takes them.
+            batch (`BatchRows`): the rows the next round drafts for, as :meth:`choose` takes them.
 
         Returns:
             ``(nodes, levels)`` of the next round's tree.
@@ -223,7 +221,7 @@ class TreeSizeChooser:
         square = sum((a + 1.0) ** 2 for a in accepted) / len(accepted)
         self.update(sum(probs[:total]), mean, draft_seconds, draft_forwards=draft_forwards,
                     round_seconds=round_seconds, feed_seconds=feed_seconds, fed=fed, tokens_square=square)
-        return self.choose(probs, rows, remaining), self.levels(frontier, most)
+        return self.choose(probs, batch), self.levels(frontier, most)
 
     def update(self, predicted: float, accepted: int, draft_seconds: float, draft_forwards: int = 1,
                round_seconds: float | None = None, feed_seconds: float = 0.0, fed: int = 1,
