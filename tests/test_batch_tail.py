@@ -153,6 +153,21 @@ def test_tree_chooser_skips_for_a_batch_with_a_row_the_draft_reads_badly():
     assert [measured().draft_this_round(one_bad) for _ in range(4)] == [False] * 4
 
 
+def test_a_wide_batch_stops_drafting_trees_that_do_not_pay_sooner():
+    """Eight rows observe eight times what one row does a round: trees that clearly do not pay are found out in a
+    few rounds, where one sequence with the same measures keeps drafting longer."""
+    def rounds_until_skipping(rows: int) -> int:
+        chooser = tree_policy.TreeSizeChooser({1: 0.04, 64: 0.08})
+        batch = BatchRows.alike(rows, 400)
+        while chooser.draft_this_round(batch) and chooser.rounds < 20:
+            chooser.update(predicted=2.0, accepted=0.5, draft_seconds=0.05, round_seconds=0.1, tokens_square=2.5,
+                           rows=rows)  # rows gaining 1 or 2 tokens
+            chooser.update_plain(0.05)
+        return chooser.rounds
+    one, eight = rounds_until_skipping(1), rounds_until_skipping(8)  # 1.5 tokens in 100 ms against 1 in 50
+    assert tree_policy.MIN_ROUNDS_BEFORE_SKIPPING <= eight <= one - 2 and one <= tree_policy.SETTLED_ROUNDS
+
+
 def test_tree_chooser_first_size_follows_the_costs():
     flat = tree_policy.TreeSizeChooser({1: 0.05, 64: 0.06})
     assert flat.first_nodes(39) == tree_policy.AUTO_FIRST and flat.first_nodes(7) == 7

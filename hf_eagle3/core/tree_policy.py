@@ -11,14 +11,17 @@ from .draft_length_policy import ProbeSchedule, smooth
 AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree inputs (root included) whose target forward cost "auto" measures
 AUTO_MAX_NODES = 63  # largest tree "auto" chooses (64 target inputs with the root)
 AUTO_PRIOR_WEIGHT = 2.0  # pseudo-tokens of the prior calibration 1.0 (see `TreeSizeChooser`)
-MIN_ROUNDS_BEFORE_SKIPPING = 8  # rounds with a tree measured before "auto" may decide to draft none
+MIN_ROUNDS_BEFORE_SKIPPING = 2  # rounds with a tree measured before "auto" may decide to draft none
+SETTLED_ROUNDS = 8  # before this many rounds with a tree, "auto" skips only where trees are clearly below (DOUBT)
+DOUBT = 2.0  # standard errors of a row's mean tokens a round granted to trees before SETTLED_ROUNDS
+SPREAD_FLOOR = 1.0  # the least spread of a row's tokens a round assumed for that standard error
 SKIP_BELOW = 0.9  # draft no tree while trees make less than this fraction of a plain step's tokens per second
 SMOOTHING = 0.1  # exponential smoothing of the recent rounds' tokens and seconds
 USUAL_FEED = 8  # positions a feed covers after a round with a tree (more: a feed deferred by rounds without one)
 AUTO_FIRST = 16  # most nodes of the first round's tree (each later round is sized from the previous round's candidates)
 FIRST_COST = 2.0  # the first round's tree costs the target at most this many plain steps
 CARRIED_ROUNDS = 8  # at most this many rounds of a call's evidence carry over to the next call at its batch size
-CARRIED = ("accepted", "predicted", "draft_seconds", "draft_forwards", "round_seconds", "rounds")  # scaled down
+CARRIED = ("accepted", "predicted", "draft_seconds", "draft_forwards", "round_seconds", "rounds", "observed")  # scaled
 KEPT = ("recent_tokens", "recent_seconds", "recent_square", "plain_seconds", "usual_feed")  # carried as they are
 
 
@@ -58,6 +61,7 @@ class TreeSizeChooser:
         self.draft_forwards = 0
         self.round_seconds = 0.0
         self.rounds = 0
+        self.observed = 0  # rows' rounds with a tree (a round of a batch of B rows observes B)
         self.recent_tokens = None  # smoothed tokens and seconds of the recent rounds with a tree
         self.recent_seconds = None
         self.recent_square = None  # smoothed mean over the rows of a row's tokens squared, rounds with a tree
@@ -131,13 +135,21 @@ class TreeSizeChooser:
         In a batch the tokens are those by which the batch nears its end
         (:meth:`~hf_eagle3.core.batch_tail.BatchRows.tokens`).
 
+        Trees are judged from :data:`MIN_ROUNDS_BEFORE_SKIPPING` rounds on; before :data:`SETTLED_ROUNDS`, with the
+        benefit of the doubt: a row's mean tokens a round taken :data:`DOUBT` standard errors higher (the rows' rounds
+        observed so far, their spread at least :data:`SPREAD_FLOOR`). A wide batch observes many rows a round, so it
+        stops drafting trees that clearly do not pay after a few rounds; one sequence needs about as many as before.
+
         Args:
             batch (`BatchRows`): the unfinished rows (default: one sequence).
         """
         if self.rounds < MIN_ROUNDS_BEFORE_SKIPPING:
             return True  # too little measured yet
         plain = self.plain_seconds if self.plain_seconds is not None else self.target_seconds(1)
-        tokens = batch.tokens(self.recent_tokens, self.tokens_std)
+        std, mean = self.tokens_std, self.recent_tokens
+        if self.rounds < SETTLED_ROUNDS:
+            mean += DOUBT * max(std, SPREAD_FLOOR) / max(self.observed, 1) ** 0.5
+        tokens = batch.tokens(mean, std)
         if tokens / self.recent_seconds * plain >= SKIP_BELOW:
             self.probes.drafting()
             return True
@@ -220,12 +232,13 @@ class TreeSizeChooser:
         mean = sum(accepted) / len(accepted)
         square = sum((a + 1.0) ** 2 for a in accepted) / len(accepted)
         self.update(sum(probs[:total]), mean, draft_seconds, draft_forwards=draft_forwards,
-                    round_seconds=round_seconds, feed_seconds=feed_seconds, fed=fed, tokens_square=square)
+                    round_seconds=round_seconds, feed_seconds=feed_seconds, fed=fed, tokens_square=square,
+                    rows=len(accepted))
         return self.choose(probs, batch), self.levels(frontier, most)
 
     def update(self, predicted: float, accepted: int, draft_seconds: float, draft_forwards: int = 1,
                round_seconds: float | None = None, feed_seconds: float = 0.0, fed: int = 1,
-               tokens_square: float | None = None) -> None:
+               tokens_square: float | None = None, rows: int = 1) -> None:
         """
         Record one round.
 
@@ -242,6 +255,7 @@ class TreeSizeChooser:
                 round is counted with a usual feed instead.
             tokens_square (`float`, *optional*): the rows' mean of ``(accepted + 1) ** 2`` (their spread; default:
                 one row's, ``(accepted + 1) ** 2``).
+            rows (`int`): rows of the round, whose mean ``accepted`` and ``tokens_square`` are.
         """
         seconds = draft_seconds if round_seconds is None else round_seconds
         if fed <= USUAL_FEED:
@@ -259,6 +273,7 @@ class TreeSizeChooser:
         self.draft_forwards += draft_forwards
         self.round_seconds += seconds
         self.rounds += 1
+        self.observed += rows
         weight = max(SMOOTHING, 1.0 / self.rounds)  # a running mean first, then exponential smoothing
         self.recent_tokens = smooth(self.recent_tokens, accepted + 1.0, weight)
         self.recent_seconds = smooth(self.recent_seconds, seconds, weight)
