@@ -70,8 +70,9 @@ def test_batch_tokens_shape():
 
 def row_history(rng: random.Random, rates: list, rounds: int) -> BatchRows:
     """Rows that drafted ``rounds`` chains of 4 at their own acceptance rates, 48 tokens to go each."""
-    accepted = [sum(chain_tokens(rng, rate, 4) - 1 for _ in range(rounds)) for rate in rates]
-    return BatchRows((48,) * len(rates), tuple(accepted), (rounds,) * len(rates))
+    draws = [[chain_tokens(rng, rate, 4) - 1 for _ in range(rounds)] for rate in rates]
+    return BatchRows((48,) * len(rates), tuple(sum(row) for row in draws), tuple(sum(a * a for a in row) for row in draws),
+                     (rounds,) * len(rates))
 
 
 def test_batch_tokens_match_a_simulated_batch_of_rows_that_differ():
@@ -96,14 +97,14 @@ def test_batch_tokens_match_a_simulated_batch_of_rows_that_differ():
 def test_row_shares_shrink_towards_the_batch_where_chance_explains_the_difference():
     rng = random.Random(11)
     histories = [row_history(rng, [0.6] * 8, 8) for _ in range(200)]  # eight rounds of rows alike (std 1.4)
-    lowest = [min(history.shares(1.4)[0]) for history in histories]
+    lowest = [min(history.shares[0]) for history in histories]
     assert sum(lowest) / len(lowest) > 0.9  # unshrunk, the unluckiest of eight rows would average about 0.5
     ratio = [history.tokens(2.3, 1.4) / BatchRows.alike(8, 48).tokens(2.3, 1.4) for history in histories]
     assert sum(ratio) / len(ratio) > 0.95  # chance costs the batch little
-    shares, within = row_history(rng, [0.3, 0.85] * 4, 30).shares(1.3)
+    shares, within = row_history(rng, [0.3, 0.85] * 4, 30).shares
     assert max(shares[0::2]) < 0.6 < 1.3 < min(shares[1::2])  # rows that keep differing keep their own
-    assert within < 1.3  # their difference is not counted as chance again
-    assert BatchRows((48, 48), (5, 0), (3, 0)).shares(1.0)[0] == [1.0, 1.0]  # one row with drafts: nothing to compare
+    assert within < 0.7  # their difference is not counted as chance again
+    assert BatchRows((48, 48), (5, 0), (9, 0), (3, 0)).shares == ([1.0, 1.0], 1.0)  # one row with drafts: no compare
 
 
 def test_tokens_std_of_a_chain():
@@ -147,9 +148,9 @@ def test_tree_chooser_skips_for_a_batch_with_a_row_the_draft_reads_badly():
         for tokens in [2, 3, 2, 4, 2, 3, 2, 4] * 2:  # 2.75 tokens a row in 100 ms, 1.1 plain steps' worth
             chooser.update(predicted=2.0, accepted=tokens - 1, draft_seconds=0.02, round_seconds=0.1)
         return chooser
-    alike = BatchRows((400,) * 4, (28,) * 4, (16,) * 4)
+    alike = BatchRows((400,) * 4, (28,) * 4, (60,) * 4, (16,) * 4)  # 1, 2, 1, 3 accepted, and again
     assert measured().draft_this_round(alike)
-    one_bad = BatchRows((400,) * 4, (4, 36, 36, 36), (16,) * 4)  # the same mean, one row far below it
+    one_bad = BatchRows((400,) * 4, (4, 36, 36, 36), (4, 92, 92, 92), (16,) * 4)  # the same mean, one far below
     assert [measured().draft_this_round(one_bad) for _ in range(4)] == [False] * 4
 
 

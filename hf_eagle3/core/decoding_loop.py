@@ -62,6 +62,7 @@ class _Row:
     index: int  # its place in the batch as given
     ids: list  # the padded prompt followed by the tokens generated so far (target ids)
     stats: Eagle3Stats = field(default_factory=Eagle3Stats)
+    squares: int = 0  # over its rounds with a draft: the accepted count squared, summed (their spread)
     scores: list = field(default_factory=list)  # per generated token: processed scores [1, V]
     logits: list = field(default_factory=list)  # per generated token: raw logits [1, V]
 
@@ -390,7 +391,7 @@ class _Loop:
         and the draft's acceptance on it so far (the batch's rounds end with its slowest row)."""
         return BatchRows(tuple(self.max_length - len(row.ids) for row in self.rows),
                          tuple(row.stats.num_accepted_tokens for row in self.rows),
-                         tuple(row.stats.num_drafts for row in self.rows))
+                         tuple(row.squares for row in self.rows), tuple(row.stats.num_drafts for row in self.rows))
 
     def verify(self, trees: list) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One target forward of every row's tree (for a batch, compacting the cache first when holes made it too
@@ -455,6 +456,7 @@ class _Loop:
             row.scores += walk.scores[: len(new)]
             row.logits += walk.logits[: len(new)]
             row.stats.record(depths[-1], len(new) - 1)
+            row.squares += (len(new) - 1) ** 2 if depths[-1] > 0 else 0
         if self.streamer is not None:
             self.streamer.put(torch.tensor([following[0]]))
         # The accepted paths' features wait for the draft's next feed (one block for the batch, right-padded).
