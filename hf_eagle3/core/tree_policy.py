@@ -138,7 +138,7 @@ class TreeSizeChooser:
         Trees are judged from :data:`MIN_ROUNDS_BEFORE_SKIPPING` rounds on; before :data:`SETTLED_ROUNDS`, with the
         benefit of the doubt: a row's mean tokens a round taken :data:`DOUBT` standard errors higher (the rows' rounds
         observed so far, their spread at least :data:`SPREAD_FLOOR`). A wide batch observes many rows a round, so it
-        stops drafting trees that clearly do not pay after a few rounds; one sequence needs about as many as before.
+        stops drafting trees that clearly do not pay after a few rounds, where one sequence needs about eight.
 
         Args:
             batch (`BatchRows`): the unfinished rows (default: one sequence).
