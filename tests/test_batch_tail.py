@@ -71,8 +71,8 @@ def test_batch_tokens_shape():
 def row_history(rng: random.Random, rates: list, rounds: int) -> BatchRows:
     """Rows that drafted ``rounds`` chains of 4 at their own acceptance rates, 48 tokens to go each."""
     draws = [[chain_tokens(rng, rate, 4) - 1 for _ in range(rounds)] for rate in rates]
-    return BatchRows((48,) * len(rates), tuple(sum(row) for row in draws), tuple(sum(a * a for a in row) for row in draws),
-                     (rounds,) * len(rates))
+    accepted, squares = tuple(sum(row) for row in draws), tuple(sum(a * a for a in row) for row in draws)
+    return BatchRows((48,) * len(rates), accepted, squares, (rounds,) * len(rates))
 
 
 def test_batch_tokens_match_a_simulated_batch_of_rows_that_differ():

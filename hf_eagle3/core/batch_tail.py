@@ -87,7 +87,7 @@ class BatchRows:
         unlucky rounds do not single a row out, while rows that keep differing do.
 
         Returns:
-            ``(shares, within)``: one share per row (1.0 for a row without two drafts yet), and the part of a
+            ``(shares, within)``: one share per row (1.0 for a row without a draft yet), and the part of a
             round's variance over rows and rounds that lies within a row (1.0: all of it, rows alike).
         """
         seen = [(a, q, d) for a, q, d in zip(self.accepted, self.squares, self.drafts) if d > 0]

@@ -369,6 +369,7 @@ def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = Fa
     known = _COSTS.setdefault(target, {})
     if key not in known or refresh:
         target_seconds = target_costs(target, input_ids, refresh=refresh)
-        feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0], context=context_length(input_ids.shape[1]))
+        feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0],
+                                           context=context_length(input_ids.shape[1]))
         known[key] = Eagle3Costs(target=target_seconds, draft_feed=feed, draft_step=step)
     return known[key]
