@@ -21,8 +21,8 @@ from conftest import cached_target as target_of
 from conftest import tiny_draft
 from test_cost_model import costs, estimate
 
-from hf_eagle3.core import tree_policy
-from hf_eagle3.core.batch_tail import BatchRows, expected_max_of_normals
+from hf_eagle3.core import draft_length_policy, tree_policy
+from hf_eagle3.core.batch_tail import ONE_ROW, BatchRows, expected_max_of_normals
 from hf_eagle3.core.draft_length_policy import Eagle3AcceptanceEstimate, Eagle3DraftLengthPolicy
 
 
@@ -94,17 +94,60 @@ def test_batch_tokens_match_a_simulated_batch_of_rows_that_differ():
     assert BatchRows.alike(4, 48).tokens(mean, std) > 1.15 * simulated  # rows taken alike: far too hopeful
 
 
+def chain_accepted(rate: float, k: int = 4) -> float:
+    """Expected accepted tokens of a chain of ``k`` at ``rate``."""
+    return sum(rate ** i for i in range(1, k + 1))
+
+
+@pytest.mark.parametrize("rows,pool", [(4, (0.35, 0.6, 0.85)), (8, (0.35, 0.6, 0.85)), (8, (0.5, 0.7))])
+def test_batch_tokens_of_rows_not_seen_yet_from_the_spread_of_earlier_calls(rows, pool):
+    """Each row reads at a rate drawn from ``pool``, which row is which unknown (the call's first round): the spread
+    of the rows' shares found by earlier calls prices the chance that one of them is read badly."""
+    rng = random.Random(rows * 100 + len(pool))
+    grand = sum(chain_accepted(r) for r in pool) / len(pool)
+    spread = sum((chain_accepted(r) / grand - 1) ** 2 for r in pool) / len(pool)
+    draws = [chain_tokens(rng, pool[i % len(pool)], 4) for i in range(60_000)]
+    mean = sum(draws) / len(draws)
+    std = math.sqrt(sum((d - mean) ** 2 for d in draws) / len(draws))
+    rounds = []
+    for _ in range(2000):
+        rates = [rng.choice(pool) for _ in range(rows)]
+        need, count = [48] * rows, 0
+        while max(need) > 0:
+            need = [n - chain_tokens(rng, rate, 4) if n > 0 else n for n, rate in zip(need, rates)]
+            count += 1
+        rounds.append(count)
+    simulated = 48 / (sum(rounds) / len(rounds))
+    unseen = BatchRows((48,) * rows, prior=spread)
+    assert unseen.estimate.doubts == [spread] * rows and unseen.estimate.within is None
+    assert unseen.tokens(mean, std) == pytest.approx(simulated, rel=0.07)
+    assert BatchRows.alike(rows, 48).tokens(mean, std) > 1.1 * simulated  # rows taken alike: too hopeful
+
+
+def test_a_carried_spread_weighs_against_the_rows_of_the_call():
+    rng = random.Random(13)
+    differing = row_history(rng, [0.3, 0.85] * 4, 30)
+    alike = BatchRows(differing.remaining, differing.accepted, differing.squares, differing.drafts, prior=0.0)
+    assert 0 < alike.estimate.spread < differing.estimate.spread  # eight rows of prior alike pull it halfway
+    assert alike.estimate.spread == pytest.approx(differing.estimate.spread / 2)
+    few = row_history(rng, [0.6] * 8, 1)  # one round each: nothing to compare within a row yet
+    assert BatchRows(few.remaining, few.accepted, few.squares, few.drafts, prior=0.2).estimate.doubts == [0.2] * 8
+    many = row_history(rng, [0.3, 0.85] * 4, 200)
+    carried = BatchRows(many.remaining, many.accepted, many.squares, many.drafts, prior=0.2).estimate
+    assert max(carried.doubts) < 0.05 * carried.spread  # rows seen often: their own shares, hardly in doubt
+
+
 def test_row_shares_shrink_towards_the_batch_where_chance_explains_the_difference():
     rng = random.Random(11)
     histories = [row_history(rng, [0.6] * 8, 8) for _ in range(200)]  # eight rounds of rows alike (std 1.4)
-    lowest = [min(history.shares[0]) for history in histories]
+    lowest = [min(history.estimate.shares) for history in histories]
     assert sum(lowest) / len(lowest) > 0.9  # unshrunk, the unluckiest of eight rows would average about 0.5
     ratio = [history.tokens(2.3, 1.4) / BatchRows.alike(8, 48).tokens(2.3, 1.4) for history in histories]
-    assert sum(ratio) / len(ratio) > 0.95  # chance costs the batch little
-    shares, within = row_history(rng, [0.3, 0.85] * 4, 30).shares
+    assert sum(ratio) / len(ratio) > 0.94  # chance costs the batch little (what it leaves unknown, about 5 %)
+    shares, _, within, _ = row_history(rng, [0.3, 0.85] * 4, 30).estimate
     assert max(shares[0::2]) < 0.6 < 1.3 < min(shares[1::2])  # rows that keep differing keep their own
     assert within < 0.7  # their difference is not counted as chance again
-    assert BatchRows((48, 48), (5, 0), (9, 0), (3, 0)).shares == ([1.0, 1.0], 1.0)  # one row with drafts: no compare
+    assert BatchRows((48, 48), (5, 0), (9, 0), (3, 0)).estimate == ([1.0, 1.0], [0.0, 0.0], None, 0.0)  # one row: no compare
 
 
 def test_tokens_std_of_a_chain():
@@ -235,3 +278,29 @@ def test_a_call_starts_from_the_last_one_at_its_batch_size(monkeypatch):
     assert started[0] is None and started[2] is None
     assert started[1] is not None and 0 < started[1]["rounds"] <= tree_policy.CARRIED_ROUNDS
     assert len(draft._tree_size_state) == 2
+
+
+def test_a_batched_call_carries_how_far_its_rows_differed(monkeypatch):
+    """A batched call leaves on the draft how far its rows' acceptance differed (the spread of their shares); the next
+    batched call's rounds weigh their rows with it; a call of one row compares no rows and leaves it."""
+    from test_batched import CHAIN, batch_draft, batch_target, oracle_generate, padded_batch
+
+    target, draft = batch_target("llama"), batch_draft("llama")
+    if hasattr(draft, "_rows_spread"):
+        del draft._rows_spread
+    ids, mask = padded_batch((4, 13, 8, 2, 10), seed=7)
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    assert torch.equal(oracle_generate(target, draft, ids, mask, ref, max_new_tokens=30, **CHAIN), ref)
+    accepted = [s.num_accepted_tokens / s.num_drafts for s in draft.last_batch_stats]
+    spread = draft._rows_spread  # the oracle's rows accept different shares of their drafts
+    assert max(accepted) > 1.3 * min(accepted) and isinstance(spread, float) and spread > 0.0
+    target.generate(ids[:1], attention_mask=mask[:1], do_sample=False, max_new_tokens=8, assistant_model=draft)
+    assert draft._rows_spread == spread  # one row: nothing compared
+    priors = []
+    choose = draft_length_policy.Eagle3DraftLengthPolicy.choose
+    monkeypatch.setattr(draft_length_policy.Eagle3DraftLengthPolicy, "choose",
+                        lambda self, max_k, feed=1, batch=ONE_ROW: priors.append(batch.prior) or choose(
+                            self, max_k, feed, batch))
+    out = oracle_generate(target, draft, ids, mask, ref, max_new_tokens=30, num_assistant_tokens=4,
+                          num_assistant_tokens_schedule="auto")
+    assert torch.equal(out, ref) and priors and all(p == spread for p in priors)

@@ -305,6 +305,7 @@ class _Loop:
         self.processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
         self.device, self.dtype = input_ids.device, model.dtype
         self.rows, self.finished = [], [None] * input_ids.shape[0]
+        self.prior = getattr(self.draft_model, "_rows_spread", None)  # how far rows differed in earlier calls
         self.valid = self.positions = None
         self.masked = False  # one row: whether its prompt has masked positions
 
@@ -386,12 +387,14 @@ class _Loop:
         one.drafted_at = self._mark()
         return one
 
-    def _batch(self) -> BatchRows:
-        """The unfinished rows as the ``"auto"`` choices weigh them: the tokens each still needs to ``max_length``
-        and the draft's acceptance on it so far (the batch's rounds end with its slowest row)."""
-        return BatchRows(tuple(self.max_length - len(row.ids) for row in self.rows),
-                         tuple(row.stats.num_accepted_tokens for row in self.rows),
-                         tuple(row.squares for row in self.rows), tuple(row.stats.num_drafts for row in self.rows))
+    def _batch(self, rows: list | None = None) -> BatchRows:
+        """The unfinished rows (or ``rows``) as the ``"auto"`` choices weigh them: the tokens each still needs to
+        ``max_length``, the draft's acceptance on it so far and how far rows differed in earlier calls (the batch's
+        rounds end with its slowest row)."""
+        rows = self.rows if rows is None else rows
+        return BatchRows(tuple(self.max_length - len(row.ids) for row in rows),
+                         tuple(row.stats.num_accepted_tokens for row in rows), tuple(row.squares for row in rows),
+                         tuple(row.stats.num_drafts for row in rows), self.prior)
 
     def verify(self, trees: list) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One target forward of every row's tree (for a batch, compacting the cache first when holes made it too
@@ -539,6 +542,9 @@ class _Loop:
             self.streamer.end()
         finished, generation_config = self.finished, self.generation_config
         self.run.rows = [row.stats for row in finished]
+        if len(finished) > 1:  # how far this call's rows differed, for the next call's first rounds
+            estimate = self._batch(finished).estimate
+            self.run.spread = estimate.spread if estimate.within is not None else self.prior
         pad = generation_config.pad_token_id  # generate's default when unset: the first eos token, else 0
         if pad is None:
             eos = generation_config.eos_token_id
@@ -599,7 +605,8 @@ class _Run:
         self.rows = []
         self.policy = None  # the "auto" draft-length policy, when the call uses it
         self.chooser = None  # (key, TreeSizeChooser) of a tree_total_tokens="auto" call
+        self.spread = None  # how far the call's rows differed (`RowEstimate.spread`), for a batch
 
     def finish(self) -> Eagle3Stats:
         """Publish the statistics on the draft and return their sum."""
-        return publish_stats(self.draft, self.rows, self.policy, self.chooser)
+        return publish_stats(self.draft, self.rows, self.policy, self.chooser, self.spread)

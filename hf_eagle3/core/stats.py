@@ -127,12 +127,12 @@ class Eagle3Stats:
                 f"{self.num_rounds_without_draft}")
 
 
-def publish_stats(draft, rows: list, policy=None, chooser=None) -> Eagle3Stats:
+def publish_stats(draft, rows: list, policy=None, chooser=None, spread: float | None = None) -> Eagle3Stats:
     """
     The end of a ``generate`` call, for every decoding path: publish the statistics on the draft (``last_stats``, the
     sum over the rows; ``last_batch_stats``, one per row; ``cumulative_stats``) and carry the ``"auto"`` draft-length
-    policy's acceptance estimate, and the tree-size chooser's state at the call's batch size, to the draft's next
-    call.
+    policy's acceptance estimate, the tree-size chooser's state at the call's batch size, and how far a batch's rows
+    differed, to the draft's next call.
 
     Args:
         draft (`Eagle3DraftModel`): the draft.
@@ -140,6 +140,8 @@ def publish_stats(draft, rows: list, policy=None, chooser=None) -> Eagle3Stats:
         policy (`Eagle3DraftLengthPolicy`, *optional*): the call's ``"auto"`` policy.
         chooser (`tuple`, *optional*): ``(key, TreeSizeChooser)`` of a ``tree_total_tokens="auto"`` call, the key
             naming what its measures depend on (:func:`~hf_eagle3.core.cost_model.timing_key`).
+        spread (`float`, *optional*): a batched call's variance of its rows' shares of the accepted tokens
+            (:class:`~hf_eagle3.core.batch_tail.RowEstimate`), the next batched call's prior.
 
     Returns:
         `Eagle3Stats`: the sum over the rows.
@@ -152,5 +154,7 @@ def publish_stats(draft, rows: list, policy=None, chooser=None) -> Eagle3Stats:
     if chooser is not None:
         key, tree_sizes = chooser
         draft._tree_size_state = {**getattr(draft, "_tree_size_state", {}), key: tree_sizes.carried()}
+    if spread is not None:
+        draft._rows_spread = spread
     draft._record_stats(total, rows=rows)
     return total
