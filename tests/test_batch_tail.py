@@ -225,8 +225,8 @@ def test_the_loop_passes_the_batch_to_the_choices(monkeypatch):
     seen, batches = [], []
     draft_this_round = tree_policy.TreeSizeChooser.draft_this_round
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round",
-                        lambda self, batch: seen.append((batch.rows, max(batch.remaining))) or batches.append(
-                            batch) or draft_this_round(self, batch))
+                        lambda self, batch, depth: seen.append((batch.rows, max(batch.remaining), depth)) or
+                        batches.append(batch) or draft_this_round(self, batch, depth))
     target, draft = target_of("llama"), draft_of("llama")
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(3, target.config.vocab_size, (3, 7), generator=gen)
@@ -236,9 +236,10 @@ def test_the_loop_passes_the_batch_to_the_choices(monkeypatch):
     out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, assistant_model=draft,
                           tree_top_k=3, tree_depth=3, tree_total_tokens="auto")
     assert torch.equal(out, ref)
-    assert seen[0] == (3, 19)  # after the prefill every row has its first token
-    assert all(a[1] >= b[1] for a, b in zip(seen, seen[1:])) and all(1 <= r <= 3 for r, _ in seen)
+    assert seen[0] == (3, 19, 3)  # after the prefill every row has its first token; the tree's depth
+    assert all(a[1] >= b[1] for a, b in zip(seen, seen[1:])) and all(1 <= r <= 3 for r, _, _ in seen)
     assert seen[-1][1] >= 2  # a round is only drafted while a row can still use a drafted token
+    assert all(1 <= d <= min(3, n - 1) for _, n, d in seen)  # no deeper than the roomiest row can use
     assert batches[0].drafts == (0, 0, 0) and all(len(b.accepted) == len(b.drafts) == b.rows for b in batches)
     last = batches[-1]
     assert sum(last.drafts) > 0 and all(a <= 3 * d for a, d in zip(last.accepted, last.drafts))  # depth 3

@@ -279,6 +279,48 @@ def test_size_chooser_drafts_nothing_while_trees_do_not_pay():
     assert chooser.draft_this_round()
 
 
+def skipping_chooser(tokens: float) -> tree_policy.TreeSizeChooser:
+    """A chooser whose twenty rounds with a tree made ``tokens`` a round in 80 ms, against plain steps of 40 ms."""
+    chooser = tree_policy.TreeSizeChooser({1: 0.04, 64: 0.08})
+    for _ in range(20):
+        chooser.update(predicted=1.0, accepted=tokens - 1, draft_seconds=0.02, round_seconds=0.08)
+        chooser.update_plain(0.04)
+    return chooser
+
+
+def test_a_probe_waits_until_it_could_change_the_decision():
+    """Trees far below a plain step's rate: a probe whose every row accepts the whole tree could not bring the recent
+    rounds up to SKIP_BELOW until the rounds before it have aged; one only just below is probed on schedule."""
+    far, near = skipping_chooser(1.0), skipping_chooser(1.7)  # 0.5 and 0.85 of a plain step's tokens per second
+    decisions = {}
+    for name, chooser in (("far", far), ("near", near)):
+        decisions[name] = []
+        for _ in range(40):
+            decisions[name].append(chooser.draft_this_round(depth=1))
+            if decisions[name][-1]:
+                break
+            chooser.update_plain(0.04)
+    assert len(decisions["near"]) == draft_length_policy.PROBE_EVERY  # on schedule: a perfect probe would pay
+    assert len(decisions["far"]) > draft_length_policy.PROBE_EVERY + 4  # a probe of two tokens: futile for a while
+    assert decisions["far"][-1] and not any(decisions["far"][:-1])
+    assert far.next_weight() > 0.5  # by then the probe weighs as the many rounds it stands for
+    assert skipping_chooser(1.0).draft_this_round() is False  # without a depth, the schedule alone decides
+    just = skipping_chooser(1.0)
+    just.update(predicted=1.0, accepted=0, draft_seconds=0.02, round_seconds=0.08)
+    assert just.next_weight() == pytest.approx(tree_policy.SMOOTHING)  # right after a round with a tree
+
+
+def test_a_probe_after_many_rounds_without_a_tree_can_bring_trees_back():
+    chooser = skipping_chooser(1.0)
+    while not chooser.draft_this_round(depth=4):
+        chooser.update_plain(0.04)
+    chooser.update(predicted=1.0, accepted=4, draft_seconds=0.02, round_seconds=0.08)  # the text turned easy
+    assert chooser.draft_this_round(depth=4)  # one probe, weighed by the rounds it stands for, brings trees back
+    stale = skipping_chooser(1.0)  # the same probe right after the last round with a tree weighs SMOOTHING
+    stale.update(predicted=1.0, accepted=4, draft_seconds=0.02, round_seconds=0.08)
+    assert not stale.draft_this_round(depth=4)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_auto_tree_rounds_without_a_tree_stay_lossless(arch, monkeypatch):
     """Rounds that draft no tree defer the draft's feed; the next tree is drafted from all the features at once."""

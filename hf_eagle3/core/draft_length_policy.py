@@ -161,13 +161,19 @@ class ProbeSchedule:
             self.every = PROBE_EVERY  # the probe paid: drafting is back
         self._probing, self._skipped = False, 0
 
-    def probe_now(self) -> bool:
-        """The policy would not draft this round: whether to draft anyway (a probe)."""
+    def probe_now(self, useful: bool = True) -> bool:
+        """
+        The policy would not draft this round: whether to draft anyway (a probe).
+
+        Args:
+            useful (`bool`): whether a probe could change the policy's decision now; while it could not, the round
+                only counts, and the probe waits until it could.
+        """
         if self._probing:  # the last probe did not change the decision: probe less often
             self.every = min(2 * self.every, MAX_PROBE_EVERY)
             self._probing = False
         self._skipped += 1
-        if self._skipped < self.every:
+        if self._skipped < self.every or not useful:
             return False
         self._skipped, self._probing = 0, True
         return True

@@ -22,7 +22,7 @@ AUTO_FIRST = 16  # most nodes of the first round's tree (each later round is siz
 FIRST_COST = 2.0  # the first round's tree costs the target at most this many plain steps
 CARRIED_ROUNDS = 8  # at most this many rounds of a call's evidence carry over to the next call at its batch size
 CARRIED = ("accepted", "predicted", "draft_seconds", "draft_forwards", "round_seconds", "rounds", "observed")  # scaled
-KEPT = ("recent_tokens", "recent_seconds", "recent_square", "plain_seconds", "usual_feed")  # carried as they are
+KEPT = ("recent_tokens", "recent_seconds", "recent_square", "plain_seconds", "usual_feed", "since_tree")  # as they are
 
 
 def auto_most_nodes(depth: int, top_k: int) -> int:
@@ -67,6 +67,7 @@ class TreeSizeChooser:
         self.recent_square = None  # smoothed mean over the rows of a row's tokens squared, rounds with a tree
         self.plain_seconds = None  # smoothed seconds of the recent rounds without one
         self.usual_feed = None  # smoothed seconds of feeding the draft the positions of one round
+        self.since_tree = 0  # rounds without a tree since the last round with one
         self.probes = ProbeSchedule()
 
     def carried(self) -> dict:
@@ -127,13 +128,15 @@ class TreeSizeChooser:
         fits = [n for n in range(1, min(AUTO_FIRST, most) + 1) if self.target_seconds(n + 1) <= budget]
         return max(fits, default=1)
 
-    def draft_this_round(self, batch: BatchRows = ONE_ROW) -> bool:
+    def draft_this_round(self, batch: BatchRows = ONE_ROW, depth: int | None = None) -> bool:
         """
         Whether to draft a tree this round: while the recent rounds with a tree made clearly fewer tokens per second
         than a plain target step would (below :data:`SKIP_BELOW` of it; the step measured, or the one-token forward
-        time before any), draft nothing but the probes of a :class:`~hf_eagle3.core.draft_length_policy.ProbeSchedule`.
-        In a batch the tokens are those by which the batch nears its end
-        (:meth:`~hf_eagle3.core.batch_tail.BatchRows.tokens`).
+        time before any), draft nothing but the probes of a :class:`~hf_eagle3.core.draft_length_policy.ProbeSchedule`,
+        and a probe only once it could change the decision: once a tree whose every row accepts all ``depth`` levels,
+        weighed as the next round with a tree will be (:meth:`next_weight`: more, the longer trees have been skipped),
+        would bring the recent rounds up to :data:`SKIP_BELOW`. In a batch the tokens are those by which the batch
+        nears its end (:meth:`~hf_eagle3.core.batch_tail.BatchRows.tokens`).
 
         Trees are judged from :data:`MIN_ROUNDS_BEFORE_SKIPPING` rounds on; before :data:`SETTLED_ROUNDS`, with the
         benefit of the doubt: a row's mean tokens a round taken :data:`DOUBT` standard errors higher (the rows' rounds
@@ -142,6 +145,8 @@ class TreeSizeChooser:
 
         Args:
             batch (`BatchRows`): the unfinished rows (default: one sequence).
+            depth (`int`, *optional*): the most levels this round's tree may have (default: a probe is never
+                futile).
         """
         if self.rounds < MIN_ROUNDS_BEFORE_SKIPPING:
             return True  # too little measured yet
@@ -149,11 +154,22 @@ class TreeSizeChooser:
         std, mean = self.tokens_std, self.recent_tokens
         if self.rounds < SETTLED_ROUNDS:
             mean += DOUBT * max(std, SPREAD_FLOOR) / max(self.observed, 1) ** 0.5
-        tokens = batch.tokens(mean, std)
-        if tokens / self.recent_seconds * plain >= SKIP_BELOW:
+
+        def pays(tokens: float) -> bool:
+            return batch.tokens(tokens, std) / self.recent_seconds * plain >= SKIP_BELOW
+
+        if pays(mean):
             self.probes.drafting()
             return True
-        return self.probes.probe_now()
+        useful = depth is None or pays(mean + self.next_weight() * (depth + 1.0 - mean))
+        return self.probes.probe_now(useful)
+
+    def next_weight(self) -> float:
+        """The weight of the next round with a tree in the recent measures: :data:`SMOOTHING` after a round with a
+        tree, more after rounds without one (the measures before them aged by one round each, as a round with a tree
+        would have aged them), a running mean over the first rounds."""
+        aged = 1.0 - (1.0 - SMOOTHING) ** (1 + self.since_tree)
+        return max(aged, 1.0 / (self.rounds + 1))
 
     def update_plain(self, seconds: float) -> None:
         """
@@ -163,6 +179,7 @@ class TreeSizeChooser:
             seconds (`float`): its wall time.
         """
         self.plain_seconds = smooth(self.plain_seconds, seconds, SMOOTHING)
+        self.since_tree += 1
 
     @property
     def calibration(self) -> float:
@@ -271,10 +288,11 @@ class TreeSizeChooser:
         self.accepted += accepted
         self.draft_seconds += draft_seconds
         self.draft_forwards += draft_forwards
+        weight = self.next_weight()
         self.round_seconds += seconds
         self.rounds += 1
         self.observed += rows
-        weight = max(SMOOTHING, 1.0 / self.rounds)  # a running mean first, then exponential smoothing
+        self.since_tree = 0
         self.recent_tokens = smooth(self.recent_tokens, accepted + 1.0, weight)
         self.recent_seconds = smooth(self.recent_seconds, seconds, weight)
         square = (accepted + 1.0) ** 2 if tokens_square is None else tokens_square
