@@ -112,6 +112,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated batch sizes, e.g. 1,2,4,8: time plain batched generate against EAGLE-3 "
                         "chains, auto and trees on the same left-padded batches, greedy (default: none, the batch-1 "
                         "bench)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="--batch-sizes: time every batch this many times per strategy, in turn with the others, and "
+                        "report also the median of the paired ratios to plain (default 1)")
     p.add_argument("--out-dir", default="bench_out",
                    help="where to write bench.json/.md/.png (oracle.json/.md with --oracle) (default bench_out)")
     p.add_argument("--oracle", default=None, metavar="PROFILE",

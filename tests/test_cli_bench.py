@@ -266,6 +266,35 @@ def test_batched_bench_tiny(tmp_path):
     with pytest.raises(ValueError, match="raise --num-prompts"):
         bench_batched.run_batched_bench(target, draft, ByteTokenizer(), prompts[:1], batch_sizes=(2,),
                                         max_new_tokens=2, ks=(1,), progress=False)
+    with pytest.raises(ValueError, match="at least once"):
+        bench_batched.run_batched_bench(target, draft, ByteTokenizer(), prompts, batch_sizes=(2,), repeats=0,
+                                        max_new_tokens=2, ks=(1,), progress=False)
+
+
+def test_batched_bench_repeats_every_batch_and_pairs_the_calls(monkeypatch):
+    """``--repeats 3``: every batch timed three times per strategy, in turn; the paired ratio is the median over the
+    calls of each call's speed against the plain call of the same batch and repeat."""
+    from hf_eagle3.bench import batched as bench_batched
+
+    target = tiny_target("llama")
+    target.generation_config.eos_token_id = None
+    draft = tiny_draft(target)
+    calls = []
+    generate = type(target).generate
+    monkeypatch.setattr(type(target), "generate", lambda self, ids, **kw: calls.append(
+        (ids.shape[0], "assistant_model" in kw, kw["max_new_tokens"])) or generate(self, ids, **kw))
+    clock = iter(range(10_000))
+    monkeypatch.setattr(bench_batched.time, "perf_counter", lambda: float(next(clock)))  # every call: 1 s
+    report = bench_batched.run_batched_bench(target, draft, ByteTokenizer(), ["ab", "abcd", "x", "yz"],
+                                             batch_sizes=(2,), max_new_tokens=9, ks=(2,), families=["eagle3_chain"],
+                                             repeats=3, progress=False)
+    timed = [c for c in calls if c[2] == 9]  # the warm-up calls generate 8
+    assert timed == [(2, False, 9), (2, True, 9)] * 6  # two batches, three repeats, plain then the chain in turn
+    assert report["repeats"] == 3 and report["greedy_identical"]
+    chain = next(r for r in report["results"] if r["strategy"] == "eagle3-chain k=2")
+    assert chain["new_tokens"] == 2 * 9 * 2 * 3 and chain["paired_speedup"] == pytest.approx(1.0)
+    with pytest.raises(SystemExit, match="--repeats"):
+        cli.main(["bench", "--repeats", "2"])  # the batch-1 bench times each prompt once
 
 
 def test_demo_exit_code_fails_on_a_float32_mismatch_only(monkeypatch):

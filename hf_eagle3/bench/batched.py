@@ -3,7 +3,9 @@ the same left-padded batches, with the ratios to plain batched ``generate`` of t
 
 For every batch size the prompts are cut into consecutive batches; for every batch each strategy runs in turn
 (interleaved, so that a change of machine load hits all alike), after warm-up calls per strategy and batch size (one per
-context length the batches have, so that no timed call measures costs).
+context length the batches have, so that no timed call measures costs); ``repeats`` times over, for a machine whose
+speed varies from call to call. Besides the ratio of the summed times, each strategy's median over its calls of the
+ratio to the plain call just before it (paired: robust to drift and to one slow call).
 Every row of every strategy's output is compared with plain batched ``generate``'s.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,7 +56,7 @@ def new_tokens(out: torch.LongTensor, prompt_width: int, eos: set) -> list[list[
 
 def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=(1, 2, 4, 8), max_new_tokens: int = 64,
                       ks=(1, 3, 5), families=None, tree_shapes=TREE_SHAPES, progress: bool = True,
-                      compile_draft=None) -> dict:
+                      compile_draft=None, repeats: int = 1) -> dict:
     """
     Time plain batched ``generate`` and the EAGLE-3 strategies on the same batches, greedy.
 
@@ -71,12 +74,16 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
         progress (`bool`): print one line per batch size on stderr.
         compile_draft (`str` or `bool`): also run every EAGLE-3 strategy with compiled drafting steps, side by side,
             once per mode (:func:`~hf_eagle3.bench.strategies.compile_modes`).
+        repeats (`int`): times every batch is timed per strategy (in turn with the others).
 
     Returns:
         ``{"results": [...], "greedy_identical": bool, "mismatches": [...]}``; each result has ``batch_size``,
         ``strategy``, ``new_tokens``, ``seconds``, ``tokens_per_s``, ``speedup`` (to plain batched ``generate`` of
-        that batch size), ``speedup_vs_batch1_plain`` and ``mean_acceptance_length``.
+        that batch size), ``paired_speedup`` (the median over the calls of the ratio to the plain call of the same
+        batch and repeat), ``speedup_vs_batch1_plain`` and ``mean_acceptance_length``.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: time every batch at least once")
     families = [f for f in (families or BATCHED_FAMILIES) if f in BATCHED_FAMILIES]
     if "plain" not in families:
         families = ["plain"] + families
@@ -90,14 +97,14 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
         batches = [left_padded(encoded[i : i + size], pad) for i in range(0, len(encoded) - size + 1, size)]
         if not batches:
             raise ValueError(f"--batch-sizes {size}: only {len(encoded)} prompts; raise --num-prompts.")
-        totals = {s.name: {"seconds": 0.0, "new_tokens": 0, "stats": None} for s in strategies}
+        totals = {s.name: {"seconds": 0.0, "new_tokens": 0, "stats": None, "calls": []} for s in strategies}
         for s in strategies:  # warm-up (and the "auto" costs of this batch size, at every context length)
             kwargs = dict(s.generate_kwargs, assistant_model=draft) if s.uses_draft else dict(s.generate_kwargs)
             for ids, mask in one_per_context_length(batches, length=lambda batch: batch[0].shape[1]):
                 with s.applied_to(draft):
                     target.generate(ids, attention_mask=mask, max_new_tokens=min(8, max_new_tokens), do_sample=False,
                                     **kwargs)
-        for b, (ids, mask) in enumerate(batches):
+        for b, (ids, mask) in [pair for _ in range(repeats) for pair in enumerate(batches)]:
             reference = None
             for s in strategies:
                 kwargs = dict(s.generate_kwargs, assistant_model=draft) if s.uses_draft else dict(s.generate_kwargs)
@@ -112,6 +119,7 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
                 total["seconds"] += seconds
                 rows = new_tokens(out, ids.shape[1], eos)
                 total["new_tokens"] += sum(len(r) for r in rows)
+                total["calls"].append(sum(len(r) for r in rows) / seconds)
                 if s.uses_draft:
                     total["stats"] = draft.last_stats if total["stats"] is None else total["stats"] + draft.last_stats
                 if reference is None:
@@ -126,6 +134,8 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
                 "batch_size": size, "strategy": s.name, "family": s.family, "num_batches": len(batches),
                 "new_tokens": total["new_tokens"], "seconds": total["seconds"], "tokens_per_s": tps,
                 "speedup": tps / plain_tps,
+                "paired_speedup": statistics.median(
+                    mine / plain for mine, plain in zip(total["calls"], totals["plain"]["calls"])),
                 "mean_acceptance_length": total["stats"].mean_acceptance_length if total["stats"] else None,
                 "rounds_without_draft": total["stats"].num_rounds_without_draft if total["stats"] else None,
             })
@@ -137,18 +147,19 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
     for r in results:
         r["speedup_vs_first_plain"] = r["tokens_per_s"] / plain_one if plain_one else None
     return {"results": results, "greedy_identical": not mismatches, "mismatches": mismatches,
-            "batch_sizes": list(batch_sizes), "max_new_tokens": max_new_tokens, "num_prompts": len(encoded)}
+            "batch_sizes": list(batch_sizes), "max_new_tokens": max_new_tokens, "num_prompts": len(encoded),
+            "repeats": repeats}
 
 
 def format_batched_markdown(report: dict) -> str:
     """The report as a Markdown table: one row per batch size and strategy."""
     first = report["batch_sizes"][0]
-    lines = [f"| batch | strategy | tokens/s | vs plain batched | vs plain batch {first} | acceptance length |",
-             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    lines = [f"| batch | strategy | tokens/s | vs plain batched | median paired | vs plain batch {first} | "
+             "acceptance length |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in report["results"]:
         acc = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] is not None else "-"
         lines.append(f"| {r['batch_size']} | {r['strategy']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-                     f"{r['speedup_vs_first_plain']:.2f}x | {acc} |")
+                     f"{r['paired_speedup']:.2f}x | {r['speedup_vs_first_plain']:.2f}x | {acc} |")
     lines.append("")
     lines.append("greedy outputs identical to plain batched generate: "
                  + ("yes" if report["greedy_identical"] else f"NO ({len(report['mismatches'])} batches differ)"))

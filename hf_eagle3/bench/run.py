@@ -223,7 +223,8 @@ def _batched_command(args, target, draft, tokenizer, prompts, batch_sizes, max_n
     from hf_eagle3.bench.batched import format_batched_markdown, run_batched_bench, write_batched_outputs
     report = run_batched_bench(target, draft, tokenizer, prompts, batch_sizes=batch_sizes,
                                max_new_tokens=max_new_tokens, ks=ks, families=families, tree_shapes=tree_shapes,
-                               compile_draft=getattr(args, "compile_draft", None))
+                               compile_draft=getattr(args, "compile_draft", None),
+                               repeats=getattr(args, "repeats", 1))
     report["settings"] = environment_record(target, "hf-eagle3 " + " ".join(getattr(args, "argv", None) or ["bench"]),
                                             draft_path=getattr(draft, "name_or_path", None))
     print(f"{report['settings']['target_dtype']} on {report['settings']['device']}, CPU: "
@@ -271,6 +272,9 @@ def bench_command(args) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()] if getattr(args, "batch_sizes", None) else []
     if any(b < 1 for b in batch_sizes) or any(b > len(prompts) for b in batch_sizes):
         raise SystemExit(f"--batch-sizes {args.batch_sizes}: each must be between 1 and the {len(prompts)} prompts")
+    repeats = getattr(args, "repeats", 1)
+    if repeats < 1 or (repeats != 1 and not batch_sizes):
+        raise SystemExit(f"--repeats {repeats}: at least 1, and only with --batch-sizes (the batched bench)")
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     draft, draft_name, is_random = load_draft(args.draft, target)
     if batch_sizes:
