@@ -78,8 +78,9 @@ class BatchRows:
             rows alike).
         squares (`tuple[int]`): per row, the sum over those rounds of the accepted count squared.
         drafts (`tuple[int]`): per row, rounds that verified a draft so far in the call.
-        prior (`float`, *optional*): the variance of the rows' shares found by earlier calls (:attr:`RowEstimate.spread`),
-            weighing :data:`PRIOR_ROWS` rows against this call's; `None`: none, this call's rows alone.
+        prior (`float`, *optional*): the variance of the rows' shares found by earlier calls
+            (:attr:`RowEstimate.spread`), weighing :data:`PRIOR_ROWS` rows against this call's; `None`: none, this
+            call's rows alone.
     """
 
     remaining: tuple = (0,)
