@@ -118,8 +118,9 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
                 total = totals[s.name]
                 total["seconds"] += seconds
                 rows = new_tokens(out, ids.shape[1], eos)
-                total["new_tokens"] += sum(len(r) for r in rows)
-                total["calls"].append(sum(len(r) for r in rows) / seconds)
+                made = sum(len(r) for r in rows)
+                total["new_tokens"] += made
+                total["calls"].append(made / seconds)
                 if s.uses_draft:
                     total["stats"] = draft.last_stats if total["stats"] is None else total["stats"] + draft.last_stats
                 if reference is None:

@@ -120,8 +120,8 @@ class BatchRows:
         if len(seen) < 2 or degrees <= 0 or grand <= 0:
             return RowEstimate([1.0] * self.rows, [prior] * self.rows, None, prior)
         within = max(sum(q - a * a / d for a, q, d in seen) / degrees, 1e-9)  # pooled variance within a row
-        spread = sum((a / d - grand) ** 2 for a, _, d in seen) / len(seen)
-        between = max(spread - sum(within / d for _, _, d in seen) / len(seen), 0.0) / grand ** 2  # of the shares
+        scatter = sum((a / d - grand) ** 2 for a, _, d in seen) / len(seen)  # of the rows' means
+        between = max(scatter - sum(within / d for _, _, d in seen) / len(seen), 0.0) / grand ** 2  # of the shares
         if self.prior is not None:
             between = (len(seen) * between + PRIOR_ROWS * prior) / (len(seen) + PRIOR_ROWS)
         shares, doubts = [1.0] * self.rows, [between] * self.rows
@@ -146,10 +146,10 @@ class BatchRows:
         longest = max(self.remaining, default=0)
         if self.rows <= 1 or longest <= 0 or mean <= 0 or std <= 0:
             return mean
-        shares, doubts, within, spread = self.estimate
+        shares, doubts, within, between = self.estimate
         drafted = mean - 1.0
         if within is None:  # no rows compared in this call: what the carried spread leaves of std within a row
-            within = max(1.0 - spread * drafted ** 2 / std ** 2, 0.0)
+            within = max(1.0 - between * drafted ** 2 / std ** 2, 0.0)
         rounds = []  # per row: the expected rounds it needs, and their spread
         for need, share, doubt in zip(self.remaining, shares, doubts):
             gain = max(1.0 + share * drafted, 1e-6)
