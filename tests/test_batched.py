@@ -157,6 +157,9 @@ def test_auto_schedule_with_rounds_that_draft_nothing_stays_exact(arch, monkeypa
     pattern = itertools.cycle([0, 3, 0, 0, 2, 4, 1])
     monkeypatch.setattr(draft_length_policy.Eagle3DraftLengthPolicy, "choose",
                         lambda self, max_k, feed=1, **batch: min(next(pattern), max_k))
+    observed, observe_rows = [], draft_length_policy.Eagle3AcceptanceEstimate.observe_rows
+    monkeypatch.setattr(draft_length_policy.Eagle3AcceptanceEstimate, "observe_rows",
+                        lambda self, rows: observed.append(list(rows)) or observe_rows(self, rows))
     target, draft = batch_target(arch), batch_draft(arch)
     ids, mask = padded_batch((4, 13, 8, 2), seed=9)
     ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
@@ -165,6 +168,10 @@ def test_auto_schedule_with_rounds_that_draft_nothing_stays_exact(arch, monkeypa
     assert torch.equal(out, ref)
     stats = draft.last_batch_stats
     assert all(s.num_rounds_without_draft > 1 for s in stats) and sum(s.num_accepted_tokens for s in stats) > 10
+    # the acceptance is recorded once a round, every unfinished row in it (one round of evidence, not one per row)
+    rounds = max(s.num_drafts + s.num_rounds_without_draft for s in stats)
+    assert len(observed) == rounds and len(observed[0]) == 4 and all(1 <= len(rows) <= 4 for rows in observed)
+    assert sum(d for rows in observed for d, _ in rows) > 0
 
 
 def test_auto_schedule_is_lossless_with_its_own_choices():

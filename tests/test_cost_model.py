@@ -91,6 +91,54 @@ def test_policy_drafts_long_when_verification_is_free_and_acceptance_high():
     assert policy.choose(3) == 3
 
 
+def rows_estimate(rate: float, rows: int, rounds: int = 60, k: int = 3, one_by_one: bool = False):
+    """An estimate after ``rounds`` batch rounds of ``rows`` rows drafting ``k`` each (conditional rate ``rate``),
+    recorded as batch rounds, or (``one_by_one``) as one-row rounds one after the other."""
+    est, gen = Eagle3AcceptanceEstimate(), torch.Generator().manual_seed(1)
+    for _ in range(rounds):
+        drafts = []
+        for _ in range(rows):
+            accepted = 0
+            while accepted < k and torch.rand((), generator=gen) < rate:
+                accepted += 1
+            drafts.append((k, accepted))
+        if one_by_one:
+            for drafted, accepted in drafts:
+                est.observe(drafted, accepted)
+        else:
+            est.observe_rows(drafts)
+    return est
+
+
+def test_a_batch_round_is_one_round_of_evidence():
+    """A batch round decays the older drafts once, as a round of one sequence does, and adds one draft per row: one
+    lucky round of eight rows barely moves an estimate of many such rounds. Taken as eight rounds of one row each, the
+    older drafts would decay eight times a round, and the same lucky round would move the estimate far more."""
+    est, apart = rows_estimate(0.5, rows=8), rows_estimate(0.5, rows=8, one_by_one=True)
+    before, before_apart = est.rates(1)[0], apart.rates(1)[0]
+    assert before == pytest.approx(0.5, abs=0.05) and before_apart == pytest.approx(0.5, abs=0.15)
+    est.observe_rows([(3, 3)] * 8)
+    for _ in range(8):
+        apart.observe(3, 3)
+    moved, moved_apart = est.rates(1)[0] - before, apart.rates(1)[0] - before_apart
+    assert 0 < moved < 0.04 and moved_apart > 0.1
+    counts = (list(est.reached), list(est.accepted))
+    est.observe_rows([(0, 0)] * 8)  # a round that drafted nothing records nothing and ages nothing
+    assert (est.reached, est.accepted) == counts
+    est.observe_rows([(0, 0), (2, 1)])  # rows that drafted nothing are left out of a round that drafted
+    assert est.reached[0] == pytest.approx(counts[0][0] * est.decay + 1)
+    assert est.accepted[1] == pytest.approx(counts[1][1] * est.decay)
+
+
+def test_a_batch_estimate_carries_rounds_of_its_rows():
+    """What carries to the next call is :data:`CARRIED_WEIGHT` rounds of as many rows as the call's rounds had:
+    for eight rows, eight times what one sequence carries."""
+    weight = draft_length_policy.CARRIED_WEIGHT
+    wide, one = rows_estimate(0.6, rows=8).carried(), rows_estimate(0.6, rows=1).carried()
+    assert max(wide.reached) == pytest.approx(8 * weight) and max(one.reached) == pytest.approx(weight)
+    assert wide.width == one.width == 1  # the next call's rows set its own width
+
+
 def test_policy_picks_an_interior_length_and_returns_after_a_probe_that_pays():
     policy = Eagle3DraftLengthPolicy(costs(verify_slope=0.15), estimate(0.6))
     k = policy.choose(8)

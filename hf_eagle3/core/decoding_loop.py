@@ -521,8 +521,7 @@ class _Loop:
         seconds = watch.seconds(self.round_from if self.round_from is not None else one.started, one.ended)
         self.round_from = one.ended
         if policy is not None:
-            for depth, path in zip(depths, kept):
-                policy.observe(depth, len(path) - 1)
+            policy.observe_rows([(depth, len(path) - 1) for depth, path in zip(depths, kept)])
             policy.observe_time(one.drafted, seconds, feed=one.feed)
         if chooser is None:
             return

@@ -50,8 +50,10 @@ class Eagle3AcceptanceEstimate:
 
     Args:
         prior (`float`): conditional acceptance assumed before any observation.
-        prior_weight (`float`): weight of the prior, in rounds.
+        prior_weight (`float`): weight of the prior, in drafts.
         decay (`float`): per drafted round.
+        width (`int`): the most rows that drafted in one round observed since this estimate began (:meth:`carried`
+            keeps rounds of that many).
     """
 
     prior: float = PRIOR_ACCEPTANCE
@@ -59,6 +61,7 @@ class Eagle3AcceptanceEstimate:
     decay: float = DECAY
     reached: list = field(default_factory=list)
     accepted: list = field(default_factory=list)
+    width: int = 1
 
     def rates(self, k: int) -> list[float]:
         """
@@ -105,35 +108,51 @@ class Eagle3AcceptanceEstimate:
 
     def observe(self, drafted: int, accepted: int) -> None:
         """
-        Record a round.
+        Record a round of one sequence (:meth:`observe_rows` with one row).
 
         Args:
             drafted (`int`): tokens drafted (0: nothing is recorded).
             accepted (`int`): how many of them, from the first, were accepted.
         """
-        if drafted <= 0:
+        self.observe_rows([(drafted, accepted)])
+
+    def observe_rows(self, rows) -> None:
+        """
+        Record a round of a batch: every row's draft is one observation, and the older ones decay once for the
+        round (as for one sequence), not once per row, so that a batch's estimate weighs its rows' rounds alike
+        and one round of a few rows does not outweigh the rounds before it.
+
+        Args:
+            rows (`Sequence[tuple[int, int]]`): per row, the tokens drafted (0: the row records nothing) and how many
+                of them, from the first, were accepted.
+        """
+        rows = [(drafted, accepted) for drafted, accepted in rows if drafted > 0]
+        if not rows:
             return
-        grow = drafted - len(self.reached)
+        grow = max(drafted for drafted, _ in rows) - len(self.reached)
         if grow > 0:
             self.reached += [0.0] * grow
             self.accepted += [0.0] * grow
         self.reached = [r * self.decay for r in self.reached]
         self.accepted = [a * self.decay for a in self.accepted]
-        for i in range(min(drafted, accepted + 1)):
-            self.reached[i] += 1.0
-            if i < accepted:
-                self.accepted[i] += 1.0
+        for drafted, accepted in rows:
+            for i in range(min(drafted, accepted + 1)):
+                self.reached[i] += 1.0
+                if i < accepted:
+                    self.accepted[i] += 1.0
+        self.width = max(self.width, len(rows))
 
     def carried(self, weight: float = CARRIED_WEIGHT) -> "Eagle3AcceptanceEstimate":
         """
-        A copy for the next call: the counts scaled down to at most ``weight`` rounds per position, so that the next
-        call starts from what this one learnt (one lucky round does not flip its first decisions) but still follows
-        its own text.
+        A copy for the next call: the counts scaled down to at most ``weight`` rounds per position (rounds of
+        ``width`` rows), so that the next call starts from what this one learnt (one lucky round does
+        not flip its first decisions) but still follows its own text.
 
         Args:
             weight (`float`): the most rounds of evidence carried per position.
         """
-        scale = [min(1.0, weight / r) if r > 0 else 0.0 for r in self.reached]
+        most = weight * self.width
+        scale = [min(1.0, most / r) if r > 0 else 0.0 for r in self.reached]
         return Eagle3AcceptanceEstimate(
             prior=self.prior, prior_weight=self.prior_weight, decay=self.decay,
             reached=[r * s for r, s in zip(self.reached, scale)], accepted=[a * s for a, s in zip(self.accepted, scale)],
@@ -256,13 +275,23 @@ class Eagle3DraftLengthPolicy:
 
     def observe(self, drafted: int, accepted: int) -> None:
         """
-        Record the acceptance of a finished round.
+        Record the acceptance of a finished round of one sequence.
 
         Args:
             drafted (`int`): tokens drafted.
             accepted (`int`): how many of them were accepted.
         """
         self.estimate.observe(drafted, accepted)
+
+    def observe_rows(self, rows) -> None:
+        """
+        Record the acceptance of a finished round of a batch (one round of evidence with a draft per row, see
+        :meth:`Eagle3AcceptanceEstimate.observe_rows`).
+
+        Args:
+            rows (`Sequence[tuple[int, int]]`): per row, the tokens drafted and how many of them were accepted.
+        """
+        self.estimate.observe_rows(rows)
 
     def observe_time(self, drafted: int, seconds: float, feed: int = 1) -> None:
         """
