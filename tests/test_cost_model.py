@@ -391,6 +391,28 @@ def test_speculators_export_carries_the_shared_embedding_when_the_target_is_know
     assert not (tmp_path / "bad").exists()  # refused before anything was written
 
 
+def test_static_steps_are_timed_on_a_cache_of_the_calls_capacity(monkeypatch):
+    """Static drafting steps attend over their cache's whole capacity: the draft is timed on a cache of the call's
+    capacity bucket (and its buffers are the ones the call uses), one measure per bucket. Steps that are not static
+    attend over the columns in use: one measure serves every capacity."""
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=4)
+    draft.bind_target(target)
+    timed, measure_draft = [], cost_model.measure_draft_seconds
+    monkeypatch.setattr(cost_model, "measure_draft_seconds",
+                        lambda d, **k: timed.append(k["capacity"]) or measure_draft(d, **k))
+    ids = random_prompt(20, seed=3)
+    dynamic = measure_costs(target, draft, ids, capacity=1000, refresh=True)
+    assert measure_costs(target, draft, ids, capacity=100) is dynamic and timed == [None]
+    monkeypatch.setattr(type(draft), "static_steps", lambda self: True)  # as a compile config with static shapes
+    draft.static_kv_buffers.clear()
+    short = measure_costs(target, draft, ids, capacity=100)
+    long = measure_costs(target, draft, ids, capacity=1000)
+    assert timed == [None, 256, 1024] and len({id(dynamic), id(short), id(long)}) == 3
+    assert measure_costs(target, draft, ids, capacity=900) is long  # the same bucket: kept
+    assert sorted(key[2] for key in draft.static_kv_buffers) == [256, 1024]
+
+
 def test_synchronize_waits_for_every_device_of_a_sharded_model(monkeypatch):
     """A model's parameters on several GPUs: each device is waited for (a target spread by device_map queues work on
     each); a CPU device or model waits for nothing."""

@@ -178,7 +178,7 @@ class Eagle3CandidateGenerator(CandidateGenerator):
 
     def _make_policy(self, input_ids: torch.LongTensor) -> Eagle3DraftLengthPolicy:
         """The ``"auto"`` policy: measured costs (once per process) and the acceptance carried from the last call."""
-        costs = measure_costs(self.target, self.draft, input_ids)
+        costs = measure_costs(self.target, self.draft, input_ids, capacity=self.max_length + 1)
         self.capture.clear()  # the timing forwards ran through the hooks
         return Eagle3DraftLengthPolicy.from_carried(costs, getattr(self.draft, "_draft_length_state", None))
 

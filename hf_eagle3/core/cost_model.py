@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .draft_cache import static_capacity
 from .draft_steps import chain_step
 
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # target forward sizes (new tokens) timed by :func:`measure_costs`
@@ -214,7 +215,7 @@ def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZ
 
 @torch.no_grad()
 def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOKENS, feed_sizes=FEED_SIZES,
-                          repeats: int = 3) -> tuple[dict, float]:
+                          repeats: int = 3, capacity: int | None = None) -> tuple[dict, float]:
     """
     Time the draft's feed (a forward over ``m`` verified positions) and its one-token step, on random inputs, each with
     the token choice that follows it in a round (argmax, vocabulary mapping, appending to the sequence). The step runs
@@ -227,6 +228,8 @@ def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOK
         context (`int`): positions already in the draft's cache.
         feed_sizes (`tuple[int]`): feed sizes to time.
         repeats (`int`): timed runs per size after a warm-up; the fastest is kept.
+        capacity (`int`, *optional*): the columns the call's draft cache holds (static steps attend over all of
+            them, so they are timed on a cache of the call's capacity; default: just what the timing writes).
 
     Returns:
         ``(feed_seconds_by_size, step_seconds)``.
@@ -243,7 +246,7 @@ def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOK
         return ids, feats
 
     # the cache the rounds use (a static one for static steps), holding ``context`` positions
-    state = Eagle3DraftState(draft, capacity=context + max(feed_sizes) + 1, rows=batch_size)
+    state = Eagle3DraftState(draft, capacity=max(context + max(feed_sizes) + 1, capacity or 0), rows=batch_size)
     ids, feats = inputs(context)
     state.add(feats, ids)
     out = state.feed()
@@ -349,11 +352,12 @@ def target_costs(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, refres
     return known[key]
 
 
-def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = False) -> Eagle3Costs:
+def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = False,
+                  capacity: int | None = None) -> Eagle3Costs:
     """
     The round costs of ``target`` with ``draft``: measured on the first use of each target / draft / device / dtype /
-    batch size / context length, then kept for the process (a dozen target forwards and a few draft forwards on a
-    cache of :func:`context_length` entries).
+    batch size / context length (and, for static drafting steps, draft cache capacity), then kept for the process (a
+    dozen target forwards and a few draft forwards on a cache of :func:`context_length` entries).
 
     Args:
         target (`PreTrainedModel`): the target.
@@ -361,15 +365,20 @@ def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = Fa
         input_ids (`torch.LongTensor` [B, L]): the call's prompt, the context timed on (repeated or cut to its
             :func:`context_length`).
         refresh (`bool`): measure again even when known.
+        capacity (`int`, *optional*): the columns the call's draft cache holds. Static steps
+            (:meth:`~hf_eagle3.core.modeling_eagle3.Eagle3DraftModel.static_steps`) attend over their cache's whole
+            capacity (:func:`~hf_eagle3.core.draft_cache.static_capacity` of it), so they are timed on one of the
+            call's capacity, which also spares compiling (or capturing) a step for a capacity the call never uses.
     """
+    context = context_length(input_ids.shape[1])
+    static = static_capacity(max(context + max(FEED_SIZES) + 1, capacity or 0)) if draft.static_steps() else None
     key = timing_key(target, input_ids) + (
         str(draft.fc.weight.dtype), tuple(draft.fc.weight.shape),
         tuple(draft.lm_head.weight.shape) if hasattr(draft, "lm_head") else None,
-        draft.step_call(chain_step))  # the step the rounds run: one object per compile config, or eager
+        draft.step_call(chain_step), static)  # the step the rounds run: one object per compile config, or eager
     known = _COSTS.setdefault(target, {})
     if key not in known or refresh:
         target_seconds = target_costs(target, input_ids, refresh=refresh)
-        feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0],
-                                           context=context_length(input_ids.shape[1]))
+        feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0], context=context, capacity=static)
         known[key] = Eagle3Costs(target=target_seconds, draft_feed=feed, draft_step=step)
     return known[key]

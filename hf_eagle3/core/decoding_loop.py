@@ -103,7 +103,8 @@ def _round_shape(call, draft) -> dict:
             "tree_auto": False, "most": k}
 
 
-def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None) -> Eagle3DraftLengthPolicy:
+def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None,
+                 capacity: int | None = None) -> Eagle3DraftLengthPolicy:
     """
     The ``"auto"`` draft-length policy of a batched call: one length per round for every row, chosen under the
     costs of this batch (the target's forwards and the draft's, timed at this batch size).
@@ -113,8 +114,10 @@ def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None) -> Eag
         draft: the draft.
         input_ids (`torch.LongTensor` [B, L]): the batch.
         carried (`dict`, *optional*): the acceptance carried from the draft's previous call.
+        capacity (`int`, *optional*): the columns of the call's draft cache (see
+            :func:`~hf_eagle3.core.cost_model.measure_costs`).
     """
-    return Eagle3DraftLengthPolicy.from_carried(measure_costs(model, draft, input_ids), carried)
+    return Eagle3DraftLengthPolicy.from_carried(measure_costs(model, draft, input_ids, capacity=capacity), carried)
 
 
 def check_rows(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> list:
@@ -283,7 +286,7 @@ class _Loop:
         call.generator = self.run
         if self.shape["auto"]:
             self.run.policy = batch_policy(model, self.draft_model, input_ids,
-                                           getattr(self.draft_model, "_draft_length_state", None))
+                                           getattr(self.draft_model, "_draft_length_state", None), capacity)
             self.capture.clear()  # the timing forwards (once per target and batch size) went through the hooks
         self.chooser = None  # tree_total_tokens="auto": one size per round for the batch
         if self.shape["tree_auto"]:
