@@ -367,15 +367,16 @@ def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = Fa
         refresh (`bool`): measure again even when known.
         capacity (`int`, *optional*): the columns the call's draft cache holds. Static steps
             (:meth:`~hf_eagle3.core.modeling_eagle3.Eagle3DraftModel.static_steps`) attend over their cache's whole
-            capacity (:func:`~hf_eagle3.core.draft_cache.static_capacity` of it), so they are timed on one of the
-            call's capacity, which also spares compiling (or capturing) a step for a capacity the call never uses.
+            capacity (:func:`~hf_eagle3.core.draft_cache.static_capacity` of it), so they are timed on a cache of the
+            call's capacity bucket, which also spares compiling (or capturing) a step for a bucket the call never uses.
     """
     context = context_length(input_ids.shape[1])
     static = static_capacity(max(context + max(FEED_SIZES) + 1, capacity or 0)) if draft.static_steps() else None
     key = timing_key(target, input_ids) + (
         str(draft.fc.weight.dtype), tuple(draft.fc.weight.shape),
         tuple(draft.lm_head.weight.shape) if hasattr(draft, "lm_head") else None,
-        draft.step_call(chain_step), static)  # the step the rounds run: one object per compile config, or eager
+        draft.step_call(chain_step),  # the step the rounds run: one object per compile config, or eager
+        static)  # static steps: the capacity bucket they are timed at
     known = _COSTS.setdefault(target, {})
     if key not in known or refresh:
         target_seconds = target_costs(target, input_ids, refresh=refresh)

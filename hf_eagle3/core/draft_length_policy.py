@@ -145,8 +145,8 @@ class Eagle3AcceptanceEstimate:
     def carried(self, weight: float = CARRIED_WEIGHT) -> "Eagle3AcceptanceEstimate":
         """
         A copy for the next call: the counts scaled down to at most ``weight`` rounds per position (rounds of
-        ``width`` rows), so that the next call starts from what this one learnt (one lucky round does
-        not flip its first decisions) but still follows its own text.
+        ``width`` rows), so that the next call starts from what this one learnt (one lucky round does not flip its
+        first decisions) but still follows its own text.
 
         Args:
             weight (`float`): the most rounds of evidence carried per position.
