@@ -62,7 +62,7 @@ def main() -> None:
         row = {"prompt_tokens": ids.shape[1], "context_length": context_length(ids.shape[1])}
         for name, fixed in (("costs at 128", True), ("costs at the prompt's length", False)):
             cost_model.context_length = (lambda n: cost_model.CONTEXT_TOKENS) if fixed else context_length
-            table = cost_model.target_costs(target, ids, sizes=AUTO_SIZES)
+            table = cost_model.target_costs(target, ids, sizes=AUTO_SIZES, masked=True)  # as the tree loop times
             row[f"target_ratio ({name})"] = {n: table[n] / table[1] for n in AUTO_SIZES}
         cost_model.context_length = context_length
         plain, _ = best_time(ids)

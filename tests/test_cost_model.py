@@ -162,6 +162,26 @@ def test_policy_learns_the_round_overhead():
     assert policy.best(4) == 0
 
 
+def test_a_plain_round_not_yet_measured_is_priced_at_its_timed_forward():
+    """Rounds with a draft that run slower than their costs say (a verification slower in the loop than timed, the
+    draft's bookkeeping) say nothing of a round without one, which is the one target forward the costs timed: until
+    the call has run a plain round, it is priced at that forward. A plain round's overhead is a floor for a round with
+    a draft, which does all a plain round does."""
+    policy = Eagle3DraftLengthPolicy(costs(verify_slope=0.1), estimate(0.5))
+    assert policy.best(4) > 0
+    for _ in range(20):  # drafting rounds take 0.8 s more than the costs say; no plain round yet
+        policy.observe_time(2, policy.costs.round_seconds(2, 1) + 0.8, feed=1)
+    assert policy.overhead[False] is None
+    assert policy.tokens_per_second(0) == pytest.approx(1 / policy.costs.round_seconds(0))
+    assert policy.best(4) == 0  # priced with the drafting rounds' 0.8 s, the plain step would lose (1 / 1.8 s)
+    fresh = Eagle3DraftLengthPolicy(costs(verify_slope=0.1), estimate(0.5))
+    for _ in range(20):
+        fresh.observe_time(0, fresh.costs.round_seconds(0) + 0.3, feed=0)
+    assert fresh.overhead[True] is None
+    expected = fresh.estimate.expected_tokens(2) / (fresh.costs.round_seconds(2, 1) + 0.3)
+    assert fresh.tokens_per_second(2, feed=1) == pytest.approx(expected, rel=1e-3)
+
+
 def test_policy_state_carries_to_the_next_call():
     policy = Eagle3DraftLengthPolicy(costs(verify_slope=0.6), estimate(0.3))
     for _ in range(40):
@@ -297,6 +317,75 @@ def test_a_long_prompt_is_priced_at_its_own_context_length(monkeypatch):
     assert timed == [512, 128] and fed == [512, 128]
     cost_model.target_costs(target, long, sizes=(1, 4))
     assert timed[-1] == 512
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_loops_forwards_are_timed_with_the_loops_mask(arch, monkeypatch):
+    """Every target forward of the package's loop carries a 4D attention mask, and an attention kernel may run a
+    one-token step at another speed without one: ``masked=True`` times each forward with the loop's mask (every row
+    sees the cached context, the new tokens a causal triangle; one mask per layer kind where sliding and full layers
+    mix); ``masked=False`` times them as Transformers' loop runs an unpadded row, with no mask given."""
+    target = target_of(arch)
+    given, forward = [], target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: given.append(k) or forward(*a, **k))
+    ids = random_prompt(20, seed=3).repeat(3, 1)
+    seconds = cost_model.measure_target_seconds(target, ids, sizes=(1, 3), repeats=1, masked=True)
+    assert set(seconds) == {1, 3} and all(s > 0 for s in seconds.values())
+    timed = [k for k in given if "position_ids" in k]  # the prefill is not timed
+    assert len(timed) == 4  # a warm-up and a timed forward per size
+    for kwargs in timed:
+        n = kwargs["input_ids"].shape[1]
+        masks = kwargs["attention_mask"]
+        masks = masks if isinstance(masks, dict) else {"full_attention": masks}
+        assert ("sliding_attention" in masks) == (arch == "gemma3")
+        for kind, mask in masks.items():
+            allowed = mask == 0
+            assert mask.dtype == target.dtype and allowed.shape[:3] == (3, 1, n)
+            assert torch.equal(allowed[..., -n:], torch.ones(n, n, dtype=torch.bool).tril().expand(3, 1, n, n))
+            if kind == "full_attention":
+                assert allowed.shape[-1] == 20 + n and allowed[..., :20].all()
+    given.clear()
+    cost_model.measure_target_seconds(target, ids, sizes=(1, 3), repeats=1)
+    assert [k.get("attention_mask") for k in given if "position_ids" in k] == [None] * 4
+
+
+def test_masked_and_unmasked_costs_are_kept_apart(monkeypatch):
+    """The package's loop prices its rounds with masked timings, Transformers' loop (batch-1 chains) with unmasked
+    ones: each is measured on its first use and kept under its own key."""
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=4)
+    draft.bind_target(target)
+    monkeypatch.setattr(cost_model, "_TARGET_SECONDS", type(cost_model._TARGET_SECONDS)())
+    monkeypatch.setattr(cost_model, "_COSTS", type(cost_model._COSTS)())
+    masked, measure = [], cost_model.measure_target_seconds
+    monkeypatch.setattr(cost_model, "measure_target_seconds",
+                        lambda *a, masked_=masked, **k: masked_.append(k.get("masked", False)) or measure(*a, **k))
+    ids = random_prompt(12, seed=5)
+    loop = measure_costs(target, draft, ids, masked=True)
+    transformers = measure_costs(target, draft, ids)
+    assert masked == [True, False] and loop is not transformers
+    assert measure_costs(target, draft, ids, masked=True) is loop and measure_costs(target, draft, ids) is transformers
+    cost_model.target_costs(target, ids, masked=True)
+    assert masked == [True, False]  # the same sizes, masked: the loop's measure is kept
+
+
+def test_each_loop_prices_its_rounds_with_its_own_masking(monkeypatch):
+    """Batched chains and trees of every batch size run in the package's loop (masked forwards); batch-1 chains run in
+    Transformers' loop (unmasked one-token steps)."""
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=4)
+    monkeypatch.setattr(cost_model, "_TARGET_SECONDS", type(cost_model._TARGET_SECONDS)())
+    monkeypatch.setattr(cost_model, "_COSTS", type(cost_model._COSTS)())
+    masked, measure = [], cost_model.measure_target_seconds
+    monkeypatch.setattr(cost_model, "measure_target_seconds",
+                        lambda *a, masked_=masked, **k: masked_.append(k.get("masked", False)) or measure(*a, **k))
+    one, two = random_prompt(10, seed=6), torch.cat([random_prompt(10, seed=6), random_prompt(10, seed=7)])
+    greedy(target, one, max_new_tokens=3, assistant_model=draft, **AUTO)
+    assert masked == [False]
+    greedy(target, two, attention_mask=torch.ones_like(two), max_new_tokens=3, assistant_model=draft, **AUTO)
+    assert masked == [False, True]
+    greedy(target, one, max_new_tokens=3, assistant_model=draft, tree_depth=2, tree_top_k=2, tree_total_tokens="auto")
+    assert masked == [False, True, True]
 
 
 # ---------------------------------------------------------------------------------------------------- sampling

@@ -20,6 +20,7 @@ import torch
 
 from .draft_cache import static_capacity
 from .draft_steps import chain_step
+from .target_cache import tree_attention_mask
 
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # target forward sizes (new tokens) timed by :func:`measure_costs`
 FEED_SIZES = (1, 4, 16)  # draft feed sizes timed by :func:`measure_costs`
@@ -167,7 +168,8 @@ def _time(fn, device, repeats: int) -> float:
 
 
 @torch.no_grad()
-def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, repeats: int = 3) -> dict:
+def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, repeats: int = 3,
+                           masked: bool = False) -> dict:
     """
     Time a target forward of ``n`` new tokens on top of the KV cache of ``input_ids``, for each ``n`` in ``sizes``.
 
@@ -179,6 +181,11 @@ def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZ
         input_ids (`torch.LongTensor` [B, L]): the context the cache holds.
         sizes (`tuple[int]`): numbers of new tokens.
         repeats (`int`): sweeps over the sizes after a warm-up; the fastest time of each size is kept.
+        masked (`bool`): give every forward a 4D attention mask (the cached context, then the new tokens' causal
+            triangle), as every target forward of the package's loop has one
+            (:mod:`~hf_eagle3.core.decoding_loop`). Without it the forwards run as Transformers' loop runs an
+            unpadded row, where a one-token step carries no mask; attention kernels may run the two at different
+            speeds (PyTorch's CPU attention in bfloat16 runs the unmasked one-token step slower).
 
     Returns:
         `dict[int, float]`: seconds per forward, by number of new tokens (never less than for the smallest size).
@@ -189,14 +196,15 @@ def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZ
     device = input_ids.device
     out = target(input_ids=input_ids, use_cache=True, **keep(1))
     prefilled = getattr(out, "cache", None) or out.past_key_values
-    context = input_ids.shape[1]
+    rows, context = input_ids.shape
     runs = {}
     for n in sizes:
         new = input_ids[:, -1:].repeat(1, n)
-        positions = torch.arange(context, context + n, device=device)[None].expand(input_ids.shape[0], -1)
+        positions = torch.arange(context, context + n, device=device)[None].expand(rows, -1)
+        mask = {"attention_mask": _chain_mask(target, prefilled, n, rows)} if masked else {}
 
-        def run(cache, new=new, positions=positions, n=n):
-            target(input_ids=new, position_ids=positions, use_cache=True, **keep(n), **{cache_key: cache})
+        def run(cache, new=new, positions=positions, n=n, mask=mask):
+            target(input_ids=new, position_ids=positions, use_cache=True, **mask, **keep(n), **{cache_key: cache})
 
         run(copy.deepcopy(prefilled))  # warm-up
         runs[n] = run
@@ -211,6 +219,16 @@ def measure_target_seconds(target, input_ids: torch.LongTensor, sizes=TARGET_SIZ
             costs[n] = min(costs[n], time.perf_counter() - start)
     one = costs[min(sizes)]
     return {n: max(seconds, one) for n, seconds in costs.items()}  # more tokens never cost less than one
+
+
+def _chain_mask(target, cache, n: int, rows: int):
+    """The loop's 4D additive mask of a forward of ``n`` new tokens in a chain on ``cache``, for ``rows`` rows."""
+    device = next(target.parameters()).device
+    mask = tree_attention_mask(cache, torch.ones(n, n, dtype=torch.bool, device=device).tril(),
+                               torch.arange(n, device=device), None, target.dtype)
+    if isinstance(mask, dict):
+        return {kind: one.expand(rows, -1, -1, -1) for kind, one in mask.items()}
+    return mask.expand(rows, -1, -1, -1)
 
 
 @torch.no_grad()
@@ -331,11 +349,13 @@ def timing_key(target, input_ids: torch.LongTensor) -> tuple:
     return str(param.device), str(param.dtype), input_ids.shape[0], context_length(input_ids.shape[1])
 
 
-def target_costs(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, refresh: bool = False) -> dict:
+def target_costs(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, refresh: bool = False,
+                 masked: bool = False) -> dict:
     """
     Seconds of a target forward of ``n`` new tokens for each ``n`` in ``sizes``, on a cache of
     :func:`context_length` ``(L)`` entries: measured by :func:`measure_target_seconds` on the first use of each target /
-    device / dtype / batch size / context length / sizes, then kept for the process (chains and trees share it).
+    device / dtype / batch size / context length / sizes / masking, then kept for the process (chains and trees share
+    it).
 
     Args:
         target (`PreTrainedModel`): the target.
@@ -343,17 +363,19 @@ def target_costs(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, refres
             :func:`context_length`).
         sizes (`tuple[int]`): numbers of new tokens.
         refresh (`bool`): measure again even when known.
+        masked (`bool`): time the forwards with the 4D attention mask the package's loop gives them (see
+            :func:`measure_target_seconds`).
     """
-    key = timing_key(target, input_ids) + (tuple(sizes),)
+    key = timing_key(target, input_ids) + (tuple(sizes), masked)
     known = _TARGET_SECONDS.setdefault(target, {})
     if key not in known or refresh:
         device = next(target.parameters()).device
-        known[key] = measure_target_seconds(target, _context(input_ids).to(device), sizes)
+        known[key] = measure_target_seconds(target, _context(input_ids).to(device), sizes, masked=masked)
     return known[key]
 
 
 def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = False,
-                  capacity: int | None = None) -> Eagle3Costs:
+                  capacity: int | None = None, masked: bool = False) -> Eagle3Costs:
     """
     The round costs of ``target`` with ``draft``: measured on the first use of each target / draft / device / dtype /
     batch size / context length (and, for static drafting steps, draft cache capacity), then kept for the process (a
@@ -369,6 +391,8 @@ def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = Fa
             (:meth:`~hf_eagle3.core.modeling_eagle3.Eagle3DraftModel.static_steps`) attend over their cache's whole
             capacity (:func:`~hf_eagle3.core.draft_cache.static_capacity` of it), so they are timed on a cache of the
             call's capacity bucket, which also spares compiling (or capturing) a step for a bucket the call never uses.
+        masked (`bool`): the target's forwards carry the 4D attention mask of the package's loop (see
+            :func:`measure_target_seconds`); Transformers' loop (batch-1 chains) leaves it to the model.
     """
     context = context_length(input_ids.shape[1])
     static = static_capacity(max(context + max(FEED_SIZES) + 1, capacity or 0)) if draft.static_steps() else None
@@ -376,10 +400,11 @@ def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = Fa
         str(draft.fc.weight.dtype), tuple(draft.fc.weight.shape),
         tuple(draft.lm_head.weight.shape) if hasattr(draft, "lm_head") else None,
         draft.step_call(chain_step),  # the step the rounds run: one object per compile config, or eager
-        static)  # static steps: the capacity bucket they are timed at
+        static,  # static steps: the capacity bucket they are timed at
+        masked)
     known = _COSTS.setdefault(target, {})
     if key not in known or refresh:
-        target_seconds = target_costs(target, input_ids, refresh=refresh)
+        target_seconds = target_costs(target, input_ids, refresh=refresh, masked=masked)
         feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0], context=context, capacity=static)
         known[key] = Eagle3Costs(target=target_seconds, draft_feed=feed, draft_step=step)
     return known[key]

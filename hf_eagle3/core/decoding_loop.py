@@ -117,7 +117,8 @@ def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None,
         capacity (`int`, *optional*): the columns of the call's draft cache (see
             :func:`~hf_eagle3.core.cost_model.measure_costs`).
     """
-    return Eagle3DraftLengthPolicy.from_carried(measure_costs(model, draft, input_ids, capacity=capacity), carried)
+    costs = measure_costs(model, draft, input_ids, capacity=capacity, masked=True)  # the loop's forwards carry masks
+    return Eagle3DraftLengthPolicy.from_carried(costs, carried)
 
 
 def check_rows(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> list:
@@ -291,7 +292,7 @@ class _Loop:
         self.chooser = None  # tree_total_tokens="auto": one size per round for the batch
         if self.shape["tree_auto"]:
             key = timing_key(model, input_ids)  # what the chooser's measures depend on
-            self.chooser = TreeSizeChooser.from_carried(target_costs(model, input_ids, sizes=AUTO_SIZES),
+            self.chooser = TreeSizeChooser.from_carried(target_costs(model, input_ids, sizes=AUTO_SIZES, masked=True),
                                                         getattr(self.draft_model, "_tree_size_state", {}).get(key))
             self.run.chooser = (key, self.chooser)
             self.capture.clear()

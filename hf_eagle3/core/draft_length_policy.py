@@ -237,8 +237,10 @@ class Eagle3DraftLengthPolicy:
             batch (`BatchRows`): the unfinished rows (default: one sequence).
         """
         overhead = self.overhead[k > 0]
-        if overhead is None:  # not measured yet for this kind of round: the other kind's, else none
-            overhead = self.overhead[k == 0] or 0.0
+        if overhead is None:  # not measured yet for this kind of round
+            # A round with a draft does all a round without one does, and more: the plain rounds' overhead is a floor
+            # for it. Not the other way round: a plain round is the one target forward the costs timed.
+            overhead = (self.overhead[False] or 0.0) if k > 0 else 0.0
         seconds = self.costs.round_seconds(k, feed) + overhead
         tokens = batch.tokens(self.estimate.expected_tokens(k), self.estimate.tokens_std(k))
         return tokens / max(seconds, 1e-9)
