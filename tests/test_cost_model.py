@@ -10,6 +10,7 @@ equal to a from-scratch forward after deferred feeds, the chi-square test with a
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -21,7 +22,13 @@ from test_core_sampling import ALPHA, PROMPT, SAMPLING, _broken_processors, plai
 from hf_eagle3 import Eagle3CandidateGenerator
 from hf_eagle3.core import cost_model, draft_length_policy
 from hf_eagle3.core.cost_model import Eagle3Costs, interpolate, measure_costs
-from hf_eagle3.core.draft_length_policy import PROBE_EVERY, Eagle3AcceptanceEstimate, Eagle3DraftLengthPolicy
+from hf_eagle3.core.draft_length_policy import (
+    PROBE_BUDGET,
+    PROBE_EVERY,
+    Eagle3AcceptanceEstimate,
+    Eagle3DraftLengthPolicy,
+    ProbeSchedule,
+)
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
 AUTO = {"num_assistant_tokens_schedule": "auto"}
@@ -73,16 +80,41 @@ def test_estimate_is_conditional_and_follows_the_prior():
     assert decayed.rates(1)[0] < 0.5  # recent rejections dominate older acceptances
 
 
+def test_probe_schedule_counts_rounds_and_backs_off():
+    probes = ProbeSchedule()
+    decisions = [probes.probe_now() for _ in range(PROBE_EVERY * 8)]  # probes that cost nothing: the count decides
+    at = [i for i, probe in enumerate(decisions) if probe]
+    assert at[0] == PROBE_EVERY - 1  # a probe after PROBE_EVERY rounds without a draft
+    assert at[1] - at[0] == 2 * PROBE_EVERY  # that did not change the decision: the next one comes twice as late
+    assert len(at) <= 3
+    futile = ProbeSchedule()
+    assert not any(futile.probe_now(useful=False) for _ in range(PROBE_EVERY * 2))
+    assert futile.probe_now()  # the rounds counted while a probe could not change the decision
+
+
 @pytest.mark.parametrize("max_k", [1, 5, 8])
 def test_policy_drafts_nothing_when_verification_is_costly_and_acceptance_low(max_k):
+    """Drafting clearly does not pay: the policy drafts nothing, and its probes wait until the rounds without a draft
+    have paid for what a probe is expected to lose, so that probes cost at most PROBE_BUDGET of the time."""
     policy = Eagle3DraftLengthPolicy(costs(verify_slope=0.6), estimate(0.3))
     assert policy.best(max_k) == 0
-    choices = [policy.choose(max_k) for _ in range(PROBE_EVERY * 8)]
+    plain = policy.costs.round_seconds(0)  # 1 s, one token
+    choices, lost, waited = [], 0.0, 0.0
+    for _ in range(PROBE_EVERY * 16):
+        choices.append(policy.choose(max_k))
+        tokens, seconds = policy.round_of(choices[-1])
+        if choices[-1]:
+            lost += seconds - tokens * plain
+        else:
+            policy.observe_time(0, plain, feed=0)
+            waited += plain
     probes = [i for i, k in enumerate(choices) if k > 0]
-    assert choices[: PROBE_EVERY - 1] == [0] * (PROBE_EVERY - 1)
-    assert probes[0] == PROBE_EVERY - 1  # a probe after PROBE_EVERY rounds without a draft
-    assert probes[1] - probes[0] == 2 * PROBE_EVERY  # that did not pay: the next one comes twice as late
-    assert len(probes) <= 3
+    tokens, seconds = policy.round_of(choices[probes[0]])
+    loss = seconds - tokens * plain
+    assert loss / PROBE_BUDGET > PROBE_EVERY  # more than the count schedule waits: the budget sets the probes' pace
+    assert probes[0] == math.ceil(loss / PROBE_BUDGET)  # the first probe once the time waited pays for it
+    assert probes[1] - probes[0] - 1 >= loss / PROBE_BUDGET
+    assert 2 <= len(probes) and lost <= PROBE_BUDGET * waited
 
 
 def test_policy_drafts_long_when_verification_is_free_and_acceptance_high():
@@ -144,8 +176,8 @@ def test_policy_picks_an_interior_length_and_returns_after_a_probe_that_pays():
     k = policy.choose(8)
     assert 1 <= k < 8  # each token verified costs 0.15: long drafts stop paying
     policy = Eagle3DraftLengthPolicy(costs(verify_slope=0.6), estimate(0.3, rounds=4))
-    while policy.choose(5) == 0:
-        pass  # the probe round
+    while policy.choose(5) == 0:  # plain rounds until the probe
+        policy.observe_time(0, policy.costs.round_seconds(0), feed=0)
     for _ in range(60):  # the text turns easy: every probe token accepted
         policy.observe(5, 5)
     assert policy.choose(5) > 0
@@ -184,11 +216,13 @@ def test_a_plain_round_not_yet_measured_is_priced_at_its_timed_forward():
 
 def test_policy_state_carries_to_the_next_call():
     policy = Eagle3DraftLengthPolicy(costs(verify_slope=0.6), estimate(0.3))
-    for _ in range(40):
-        policy.choose(5)
+    for _ in range(60):
+        if not policy.choose(5):
+            policy.observe_time(0, policy.costs.round_seconds(0), feed=0)
     carried = policy.carried()
     nxt = Eagle3DraftLengthPolicy.from_carried(policy.costs, carried)
     assert nxt.probe_every == policy.probe_every > PROBE_EVERY
+    assert nxt.probes.waited == policy.probes.waited > 0  # the time waited since the last probe counts in the next call
     assert nxt.estimate.rates(1)[0] == pytest.approx(policy.estimate.rates(1)[0], abs=0.03)
     assert max(nxt.estimate.reached) <= draft_length_policy.CARRIED_WEIGHT + 1e-9  # a prior, not the whole history
 

@@ -15,6 +15,7 @@ import copy
 import functools
 import inspect
 import itertools
+import math
 
 import pytest
 import torch
@@ -270,9 +271,14 @@ def test_size_chooser_drafts_nothing_while_trees_do_not_pay():
     while chooser.draft_this_round():  # the benefit of the doubt, for one sequence's few rounds
         chooser.update(predicted=1.0, accepted=0, draft_seconds=0.02, round_seconds=0.08)
     assert 4 < chooser.rounds <= tree_policy.SETTLED_ROUNDS
-    decisions = [False] + [chooser.draft_this_round() for _ in range(20)]  # a plain step: 1 token in 40 ms
-    assert decisions[: draft_length_policy.PROBE_EVERY - 1] == [False] * (draft_length_policy.PROBE_EVERY - 1)
-    assert decisions[draft_length_policy.PROBE_EVERY - 1]  # a probe
+    decisions = [False]  # the decision that ended the rounds above
+    while not decisions[-1]:
+        chooser.update_plain(0.04)  # a plain step: 1 token in 40 ms
+        decisions.append(chooser.draft_this_round())
+    assert len(decisions) >= draft_length_policy.PROBE_EVERY  # a probe, not before the schedule
+    loss = chooser.recent_seconds - 1.0 * 0.04  # at most: the tree's measured round against a plain step's token
+    assert len(decisions) - 1 <= math.ceil(loss / draft_length_policy.PROBE_BUDGET / 0.04)
+    assert chooser.probes.waited == 0.0
     chooser = tree_policy.TreeSizeChooser({1: 0.04, 64: 0.08})
     for _ in range(5):
         chooser.update(predicted=3.0, accepted=3, draft_seconds=0.02, round_seconds=0.08)  # 4 tokens in 80 ms
@@ -309,6 +315,25 @@ def test_a_probe_waits_until_it_could_change_the_decision():
     just = skipping_chooser(1.0)
     just.update(predicted=1.0, accepted=0, draft_seconds=0.02, round_seconds=0.08)
     assert just.next_weight() == pytest.approx(tree_policy.SMOOTHING)  # right after a round with a tree
+
+
+@pytest.mark.parametrize("tokens, feed", [(1.0, 0), (1.7, 0), (1.0, 40)])
+def test_a_probe_waits_until_the_rounds_without_a_tree_pay_for_it(tokens, feed):
+    """A round with a tree is expected to lose its time less that of the plain steps that bring as many tokens, and
+    the feed the rounds without a tree deferred beyond a usual one: the probe waits until the rounds without a tree
+    have taken that loss over PROBE_BUDGET, past the count schedule."""
+    chooser = skipping_chooser(tokens)
+    chooser.usual_feed, chooser.deferred_feed = 0.005, 0.001  # seconds a usual feed, seconds a deferred position
+    chooser.probes.waited = 0.0
+    plain_rounds = 0
+    while not chooser.draft_this_round(feed=feed):
+        chooser.update_plain(0.04)
+        plain_rounds += 1
+    loss = 0.08 - tokens * 0.04 + (0.001 * feed - 0.005 if feed else 0.0)
+    assert plain_rounds > draft_length_policy.PROBE_EVERY
+    assert plain_rounds == pytest.approx(loss / draft_length_policy.PROBE_BUDGET / 0.04, abs=1)
+    carried = tree_policy.TreeSizeChooser.from_carried(chooser.costs, skipping_chooser(tokens).carried())
+    assert carried.probes.waited == pytest.approx(20 * 0.04)  # the time waited carries to the next call
 
 
 def test_a_probe_after_many_rounds_without_a_tree_can_bring_trees_back():

@@ -372,7 +372,7 @@ class _Loop:
             shape = dict(shape, depth=k, total=k)
         one = _Round(None, 0, feed, started=self._mark())
         depth = min(shape["depth"], max(batch.remaining) - 1)
-        if chooser is not None and depth >= 1 and not chooser.draft_this_round(batch, depth):
+        if chooser is not None and depth >= 1 and not chooser.draft_this_round(batch, depth, feed):
             depth = 0  # a plain step for the batch; the feed waits
         elif chooser is not None:
             depth = min(depth, self.next_depth)

@@ -22,6 +22,7 @@ CARRIED_WEIGHT = 10.0  # at most this many rounds of a call's evidence carry ove
 DECAY = 0.95  # per drafted round: older rounds count less, so the estimate follows the text
 PROBE_EVERY = 8  # rounds without a draft before the first probe; doubles after each probe that does not pay
 MAX_PROBE_EVERY = 64
+PROBE_BUDGET = 0.02  # a probe's expected loss may be at most this fraction of the time waited since the last one
 OVERHEAD_SMOOTHING = 0.2  # exponential smoothing of the measured per-round overhead
 
 
@@ -163,14 +164,19 @@ class ProbeSchedule:
     """
     When a policy that has decided not to draft drafts anyway, to learn whether drafting pays again: after
     ``every`` rounds without a draft; ``every`` doubles (up to :data:`MAX_PROBE_EVERY`) each time the probe does not
-    change the decision, and falls back to :data:`PROBE_EVERY` when it does.
+    change the decision, and falls back to :data:`PROBE_EVERY` when it does. A probe is also paid for in time: it waits
+    until its expected loss (its time less that of the plain rounds that would bring as many tokens) is at most
+    :data:`PROBE_BUDGET` of the time the rounds without a draft took since the last one, so that probes cost at most
+    that fraction of a call where drafting clearly does not pay, and come on schedule where it nearly does.
 
     Args:
         every (`int`): rounds without a draft before the next probe.
+        waited (`float`): seconds of rounds without a draft since the last probe (e.g. carried from the previous call).
     """
 
-    def __init__(self, every: int = PROBE_EVERY):
+    def __init__(self, every: int = PROBE_EVERY, waited: float = 0.0):
         self.every = int(every)
+        self.waited = float(waited)
         self._skipped = 0
         self._probing = False
 
@@ -178,23 +184,34 @@ class ProbeSchedule:
         """The policy drafts this round on its own."""
         if self._probing:
             self.every = PROBE_EVERY  # the probe paid: drafting is back
-        self._probing, self._skipped = False, 0
+        self._probing, self._skipped, self.waited = False, 0, 0.0
 
-    def probe_now(self, useful: bool = True) -> bool:
+    def wait(self, seconds: float) -> None:
+        """
+        Record the time of a round without a draft.
+
+        Args:
+            seconds (`float`): its wall time.
+        """
+        self.waited += seconds
+
+    def probe_now(self, useful: bool = True, loss: float = 0.0) -> bool:
         """
         The policy would not draft this round: whether to draft anyway (a probe).
 
         Args:
             useful (`bool`): whether a probe could change the policy's decision now; while it could not, the round
                 only counts, and the probe waits until it could.
+            loss (`float`): the probe's expected loss in seconds (its time less that of the plain rounds that would
+                bring the same tokens); the probe waits until the time waited pays for it (:data:`PROBE_BUDGET`).
         """
         if self._probing:  # the last probe did not change the decision: probe less often
             self.every = min(2 * self.every, MAX_PROBE_EVERY)
             self._probing = False
         self._skipped += 1
-        if self._skipped < self.every or not useful:
+        if self._skipped < self.every or not useful or loss > PROBE_BUDGET * self.waited:
             return False
-        self._skipped, self._probing = 0, True
+        self._skipped, self._probing, self.waited = 0, True, 0.0
         return True
 
 
@@ -211,25 +228,27 @@ class Eagle3DraftLengthPolicy:
         costs (`Eagle3Costs`): measured forward costs.
         estimate (`Eagle3AcceptanceEstimate`, *optional*): acceptance so far (e.g. carried from the previous call).
         probe_every (`int`): rounds without a draft before the next probe (e.g. carried from the previous call).
+        probe_waited (`float`): seconds of rounds without a draft since the last probe (e.g. carried from the previous
+            call).
     """
 
     def __init__(self, costs: Eagle3Costs, estimate: Eagle3AcceptanceEstimate | None = None,
-                 probe_every: int = PROBE_EVERY):
+                 probe_every: int = PROBE_EVERY, probe_waited: float = 0.0):
         self.costs = costs
         self.estimate = estimate if estimate is not None else Eagle3AcceptanceEstimate()
         self.overhead = {False: None, True: None}  # measured minus modelled seconds, rounds without / with a draft
-        self.probes = ProbeSchedule(probe_every)
+        self.probes = ProbeSchedule(probe_every, probe_waited)
 
     @property
     def probe_every(self) -> int:
         """Rounds without a draft before the next probe."""
         return self.probes.every
 
-    def tokens_per_second(self, k: int, feed: int = 1, batch: BatchRows = ONE_ROW) -> float:
+    def round_of(self, k: int, feed: int = 1, batch: BatchRows = ONE_ROW) -> tuple[float, float]:
         """
-        Expected tokens per second of a round drafting ``k`` after feeding ``feed`` positions; for a batch, the tokens
-        by which the batch nears its end (:meth:`~hf_eagle3.core.batch_tail.BatchRows.tokens`: its slowest row sets
-        its rounds).
+        Expected ``(tokens, seconds)`` of a round drafting ``k`` after feeding ``feed`` positions; for a batch, the
+        tokens by which the batch nears its end (:meth:`~hf_eagle3.core.batch_tail.BatchRows.tokens`: its slowest row
+        sets its rounds).
 
         Args:
             k (`int`): tokens drafted (0: a plain target step).
@@ -241,9 +260,20 @@ class Eagle3DraftLengthPolicy:
             # A round with a draft does all a round without one does, and more: the plain rounds' overhead is a floor
             # for it. Not the other way round: a plain round is the one target forward the costs timed.
             overhead = (self.overhead[False] or 0.0) if k > 0 else 0.0
-        seconds = self.costs.round_seconds(k, feed) + overhead
-        tokens = batch.tokens(self.estimate.expected_tokens(k), self.estimate.tokens_std(k))
-        return tokens / max(seconds, 1e-9)
+        seconds = max(self.costs.round_seconds(k, feed) + overhead, 1e-9)
+        return batch.tokens(self.estimate.expected_tokens(k), self.estimate.tokens_std(k)), seconds
+
+    def tokens_per_second(self, k: int, feed: int = 1, batch: BatchRows = ONE_ROW) -> float:
+        """
+        Expected tokens per second of a round drafting ``k`` (see :meth:`round_of`).
+
+        Args:
+            k (`int`): tokens drafted (0: a plain target step).
+            feed (`int`): positions the draft consumes first.
+            batch (`BatchRows`): the unfinished rows (default: one sequence).
+        """
+        tokens, seconds = self.round_of(k, feed, batch)
+        return tokens / seconds
 
     def best(self, max_k: int, feed: int = 1, lowest: int = 0, batch: BatchRows = ONE_ROW) -> int:
         """
@@ -273,7 +303,10 @@ class Eagle3DraftLengthPolicy:
         if k > 0:
             self.probes.drafting()
             return k
-        return self.best(max_k, feed, lowest=1, batch=batch) if self.probes.probe_now() else 0
+        k = self.best(max_k, feed, lowest=1, batch=batch)  # the probe's length
+        tokens, seconds = self.round_of(k, feed, batch)
+        loss = seconds - tokens / self.tokens_per_second(0, feed, batch)  # against plain rounds' time for its tokens
+        return k if self.probes.probe_now(loss=loss) else 0
 
     def observe(self, drafted: int, accepted: int) -> None:
         """
@@ -306,11 +339,14 @@ class Eagle3DraftLengthPolicy:
         """
         residual = seconds - self.costs.round_seconds(drafted, feed)
         self.overhead[drafted > 0] = smooth(self.overhead[drafted > 0], residual, OVERHEAD_SMOOTHING)
+        if not drafted:
+            self.probes.wait(seconds)
 
     def carried(self) -> dict:
-        """What the next call of the same draft starts from: the acceptance estimate (as a prior) and the probe
-        interval (see :meth:`from_carried`)."""
-        return {"estimate": self.estimate.carried(), "probe_every": self.probe_every}
+        """What the next call of the same draft starts from: the acceptance estimate (as a prior), the probe
+        interval and the time waited since the last probe (see :meth:`from_carried`)."""
+        return {"estimate": self.estimate.carried(), "probe_every": self.probe_every,
+                "probe_waited": self.probes.waited}
 
     @classmethod
     def from_carried(cls, costs: Eagle3Costs, carried: dict | None) -> "Eagle3DraftLengthPolicy":

@@ -22,7 +22,8 @@ AUTO_FIRST = 16  # most nodes of the first round's tree (each later round is siz
 FIRST_COST = 2.0  # the first round's tree costs the target at most this many plain steps
 CARRIED_ROUNDS = 8  # at most this many rounds of a call's evidence carry over to the next call at its batch size
 CARRIED = ("accepted", "predicted", "draft_seconds", "draft_forwards", "round_seconds", "rounds", "observed")  # scaled
-KEPT = ("recent_tokens", "recent_seconds", "recent_square", "plain_seconds", "usual_feed", "since_tree")  # as they are
+KEPT = ("recent_tokens", "recent_seconds", "recent_square", "plain_seconds", "usual_feed", "deferred_feed",
+        "since_tree")  # as they are
 
 
 def auto_most_nodes(depth: int, top_k: int) -> int:
@@ -67,6 +68,7 @@ class TreeSizeChooser:
         self.recent_square = None  # smoothed mean over the rows of a row's tokens squared, rounds with a tree
         self.plain_seconds = None  # smoothed seconds of the recent rounds without one
         self.usual_feed = None  # smoothed seconds of feeding the draft the positions of one round
+        self.deferred_feed = None  # smoothed seconds per position of a feed deferred by rounds without a tree
         self.since_tree = 0  # rounds without a tree since the last round with one
         self.probes = ProbeSchedule()
 
@@ -79,7 +81,7 @@ class TreeSizeChooser:
         scale = min(1.0, CARRIED_ROUNDS / self.rounds) if self.rounds else 0.0
         state = {name: getattr(self, name) * scale for name in CARRIED}
         state.update({name: getattr(self, name) for name in KEPT})
-        state["probe_every"] = self.probes.every
+        state["probe_every"], state["probe_waited"] = self.probes.every, self.probes.waited
         return state
 
     @classmethod
@@ -96,7 +98,7 @@ class TreeSizeChooser:
         if carried:
             for name in CARRIED + KEPT:
                 setattr(chooser, name, carried[name])
-            chooser.probes = ProbeSchedule(carried["probe_every"])
+            chooser.probes = ProbeSchedule(carried["probe_every"], carried["probe_waited"])
         return chooser
 
     def target_seconds(self, n: int) -> float:
@@ -128,14 +130,17 @@ class TreeSizeChooser:
         fits = [n for n in range(1, min(AUTO_FIRST, most) + 1) if self.target_seconds(n + 1) <= budget]
         return max(fits, default=1)
 
-    def draft_this_round(self, batch: BatchRows = ONE_ROW, depth: int | None = None) -> bool:
+    def draft_this_round(self, batch: BatchRows = ONE_ROW, depth: int | None = None, feed: int = 0) -> bool:
         """
         Whether to draft a tree this round: while the recent rounds with a tree made clearly fewer tokens per second
         than a plain target step would (below :data:`SKIP_BELOW` of it; the step measured, or the one-token forward
         time before any), draft nothing but the probes of a :class:`~hf_eagle3.core.draft_length_policy.ProbeSchedule`,
         and a probe only once it could change the decision: once a tree whose every row accepts all ``depth`` levels,
         weighed as the next round with a tree will be (:meth:`next_weight`: more, the longer trees have been skipped),
-        would bring the recent rounds up to :data:`SKIP_BELOW`. In a batch the tokens are those by which the batch
+        would bring the recent rounds up to :data:`SKIP_BELOW`, and once the rounds without a tree have paid for its
+        expected loss (a recent round with a tree and the feed the rounds without one deferred, against the plain
+        steps that bring the batch as far, see :data:`~hf_eagle3.core.draft_length_policy.PROBE_BUDGET`). In a batch
+        the tokens are those by which the batch
         nears its end (:meth:`~hf_eagle3.core.batch_tail.BatchRows.tokens`).
 
         Trees are judged from :data:`MIN_ROUNDS_BEFORE_SKIPPING` rounds on; before :data:`SETTLED_ROUNDS`, with the
@@ -147,6 +152,7 @@ class TreeSizeChooser:
             batch (`BatchRows`): the unfinished rows (default: one sequence).
             depth (`int`, *optional*): the most levels this round's tree may have (default: a probe is never
                 futile).
+            feed (`int`): positions per row the draft would consume first (those of the rounds without a tree).
         """
         if self.rounds < MIN_ROUNDS_BEFORE_SKIPPING:
             return True  # too little measured yet
@@ -162,7 +168,11 @@ class TreeSizeChooser:
             self.probes.drafting()
             return True
         useful = depth is None or pays(mean + self.next_weight() * (depth + 1.0 - mean))
-        return self.probes.probe_now(useful)
+        deferred = 0.0  # a probe's feed beyond a usual one (the recent rounds count a usual one)
+        if feed > USUAL_FEED and self.deferred_feed is not None:
+            deferred = max(self.deferred_feed * feed - (self.usual_feed or 0.0), 0.0)
+        loss = self.recent_seconds + deferred - batch.tokens(mean, std) * plain  # against plain steps for its tokens
+        return self.probes.probe_now(useful, loss)
 
     def next_weight(self) -> float:
         """The weight of the next round with a tree in the recent measures: :data:`SMOOTHING` after a round with a
@@ -180,6 +190,7 @@ class TreeSizeChooser:
         """
         self.plain_seconds = smooth(self.plain_seconds, seconds, SMOOTHING)
         self.since_tree += 1
+        self.probes.wait(seconds)
 
     @property
     def calibration(self) -> float:
@@ -278,7 +289,8 @@ class TreeSizeChooser:
         if fed <= USUAL_FEED:
             self.usual_feed = smooth(self.usual_feed, feed_seconds, SMOOTHING)
         else:  # the prompt's feed, or one deferred by rounds without a tree: counted as a usual one (before any, as
-            # one more draft forward)
+            # one more draft forward); its time per position prices the next probe's feed
+            self.deferred_feed = smooth(self.deferred_feed, feed_seconds / fed, SMOOTHING)
             usual = self.usual_feed
             if usual is None:
                 usual = (draft_seconds - feed_seconds) / max(draft_forwards, 1)
