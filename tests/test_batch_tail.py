@@ -223,11 +223,11 @@ def test_tree_chooser_first_size_follows_the_costs():
 
 def test_the_loop_passes_the_batch_to_the_choices(monkeypatch):
     """Every round's decisions get the unfinished rows: what each still needs and its acceptance so far."""
-    seen, batches = [], []
+    seen, batches, feeds = [], [], []
     draft_this_round = tree_policy.TreeSizeChooser.draft_this_round
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round",
-                        lambda self, batch, depth: seen.append((batch.rows, max(batch.remaining), depth)) or
-                        batches.append(batch) or draft_this_round(self, batch, depth))
+                        lambda self, batch, depth, feed: seen.append((batch.rows, max(batch.remaining), depth)) or
+                        batches.append(batch) or feeds.append(feed) or draft_this_round(self, batch, depth, feed))
     target, draft = target_of("llama"), draft_of("llama")
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(3, target.config.vocab_size, (3, 7), generator=gen)
@@ -238,6 +238,7 @@ def test_the_loop_passes_the_batch_to_the_choices(monkeypatch):
                           tree_top_k=3, tree_depth=3, tree_total_tokens="auto")
     assert torch.equal(out, ref)
     assert seen[0] == (3, 19, 3)  # after the prefill every row has its first token; the tree's depth
+    assert feeds[0] == 6 and all(f >= 1 for f in feeds)  # the prompts wait for the draft: 4, 7 and 7 positions
     assert all(a[1] >= b[1] for a, b in zip(seen, seen[1:])) and all(1 <= r <= 3 for r, _, _ in seen)
     assert seen[-1][1] >= 2  # a round is only drafted while a row can still use a drafted token
     assert all(1 <= d <= min(3, n - 1) for _, n, d in seen)  # no deeper than the roomiest row can use

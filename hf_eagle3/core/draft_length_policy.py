@@ -195,21 +195,23 @@ class ProbeSchedule:
         """
         self.waited += seconds
 
-    def probe_now(self, useful: bool = True, loss: float = 0.0) -> bool:
+    def probe_now(self, useful: bool = True, seconds: float = 0.0, tokens: float = 0.0, plain: float = 0.0) -> bool:
         """
-        The policy would not draft this round: whether to draft anyway (a probe).
+        The policy would not draft this round: whether to draft anyway (a probe). The probe's expected loss is
+        ``seconds - tokens * plain``; it waits until the time waited pays for that (:data:`PROBE_BUDGET`).
 
         Args:
             useful (`bool`): whether a probe could change the policy's decision now; while it could not, the round
                 only counts, and the probe waits until it could.
-            loss (`float`): the probe's expected loss in seconds (its time less that of the plain rounds that would
-                bring the same tokens); the probe waits until the time waited pays for it (:data:`PROBE_BUDGET`).
+            seconds (`float`): the probe round's expected time.
+            tokens (`float`): the tokens it is expected to bring (for a batch, as far as it brings the batch).
+            plain (`float`): seconds of a round without a draft per token it brings.
         """
         if self._probing:  # the last probe did not change the decision: probe less often
             self.every = min(2 * self.every, MAX_PROBE_EVERY)
             self._probing = False
         self._skipped += 1
-        if self._skipped < self.every or not useful or loss > PROBE_BUDGET * self.waited:
+        if self._skipped < self.every or not useful or seconds - tokens * plain > PROBE_BUDGET * self.waited:
             return False
         self._skipped, self._probing, self.waited = 0, True, 0.0
         return True
@@ -305,8 +307,8 @@ class Eagle3DraftLengthPolicy:
             return k
         k = self.best(max_k, feed, lowest=1, batch=batch)  # the probe's length
         tokens, seconds = self.round_of(k, feed, batch)
-        loss = seconds - tokens / self.tokens_per_second(0, feed, batch)  # against plain rounds' time for its tokens
-        return k if self.probes.probe_now(loss=loss) else 0
+        return k if self.probes.probe_now(seconds=seconds, tokens=tokens,
+                                          plain=1.0 / self.tokens_per_second(0, feed, batch)) else 0
 
     def observe(self, drafted: int, accepted: int) -> None:
         """

@@ -171,8 +171,7 @@ class TreeSizeChooser:
         deferred = 0.0  # a probe's feed beyond a usual one (the recent rounds count a usual one)
         if feed > USUAL_FEED and self.deferred_feed is not None:
             deferred = max(self.deferred_feed * feed - (self.usual_feed or 0.0), 0.0)
-        loss = self.recent_seconds + deferred - batch.tokens(mean, std) * plain  # against plain steps for its tokens
-        return self.probes.probe_now(useful, loss)
+        return self.probes.probe_now(useful, self.recent_seconds + deferred, batch.tokens(mean, std), plain)
 
     def next_weight(self) -> float:
         """The weight of the next round with a tree in the recent measures: :data:`SMOOTHING` after a round with a
