@@ -53,6 +53,7 @@ from .tree_drafter import DraftTree, candidate_ranking
 from .tree_policy import AUTO_SIZES, TreeSizeChooser, auto_most_nodes
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
+MASKED = True  # every target forward of the loop carries a 4D attention mask: its costs are timed with one
 
 
 @dataclass(eq=False)
@@ -117,7 +118,7 @@ def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None,
         capacity (`int`, *optional*): the columns of the call's draft cache (see
             :func:`~hf_eagle3.core.cost_model.measure_costs`).
     """
-    costs = measure_costs(model, draft, input_ids, capacity=capacity, masked=True)  # the loop's forwards carry masks
+    costs = measure_costs(model, draft, input_ids, capacity=capacity, masked=MASKED)
     return Eagle3DraftLengthPolicy.from_carried(costs, carried)
 
 
@@ -292,7 +293,7 @@ class _Loop:
         self.chooser = None  # tree_total_tokens="auto": one size per round for the batch
         if self.shape["tree_auto"]:
             key = timing_key(model, input_ids)  # what the chooser's measures depend on
-            self.chooser = TreeSizeChooser.from_carried(target_costs(model, input_ids, sizes=AUTO_SIZES, masked=True),
+            self.chooser = TreeSizeChooser.from_carried(target_costs(model, input_ids, sizes=AUTO_SIZES, masked=MASKED),
                                                         getattr(self.draft_model, "_tree_size_state", {}).get(key))
             self.run.chooser = (key, self.chooser)
             self.capture.clear()
