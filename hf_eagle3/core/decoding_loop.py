@@ -312,6 +312,7 @@ class _Loop:
         self.rows, self.finished = [], [None] * input_ids.shape[0]
         self.prior = getattr(self.draft_model, "_rows_spread", None)  # how far rows differed in earlier calls
         self.valid = self.positions = None
+        self.batch = None  # the unfinished rows as the "auto" choices weigh them (`_batch`), set by `retire`
         self.masked = False  # one row: whether its prompt has masked positions
 
     def _features(self) -> torch.Tensor:
@@ -367,7 +368,7 @@ class _Loop:
         """
         shape, policy, chooser, drafter = self.shape, self.run.policy, self.chooser, self.drafter
         feed = round(sum(drafter.num_pending(b) for b in range(len(self.rows))) / len(self.rows))
-        batch = self._batch()
+        batch = self.batch
         if policy is not None:
             k = policy.choose(shape["depth"], feed=feed, batch=batch)
             shape = dict(shape, depth=k, total=k)
@@ -514,6 +515,7 @@ class _Loop:
             keep_rows(self.cache, keep)
             self.valid, self.positions = self.valid[keep], self.positions[keep]
         self.rows = remaining
+        self.batch = self._batch()  # the rows as this round left them, for the next round's choices
 
     def observe(self, one: _Round, depths: list, kept: list) -> None:
         """For "auto": the round's acceptance (every row: its tree's depth and the nodes kept) and time; with
@@ -536,7 +538,7 @@ class _Loop:
         nodes, self.next_depth = chooser.observe_tree_round(
             one.ranking, one.trees[0].tokens.shape[0] - 1, [len(path) - 1 for path in kept],
             watch.seconds(one.started, one.drafted_at), max(1, one.levels), seconds, self.shape["depth"],
-            feed_seconds=watch.seconds(one.started, one.fed_at), fed=one.feed, batch=self._batch())
+            feed_seconds=watch.seconds(one.started, one.fed_at), fed=one.feed, batch=self.batch)
         self.shape = dict(self.shape, total=nodes)
 
     def output(self, output_class):

@@ -160,6 +160,12 @@ class Eagle3AcceptanceEstimate:
         )
 
 
+def _fastest(rounds: dict, lowest: int = 0) -> int:
+    """The draft length in ``rounds`` (``{k: (tokens, seconds)}``, see :meth:`Eagle3DraftLengthPolicy.rounds`) from
+    ``lowest`` on with the most tokens per second (the shortest of equals)."""
+    return max((k for k in rounds if k >= lowest), key=lambda k: rounds[k][0] / rounds[k][1])
+
+
 class ProbeSchedule:
     """
     When a policy that has decided not to draft drafts anyway, to learn whether drafting pays again: after
@@ -277,6 +283,17 @@ class Eagle3DraftLengthPolicy:
         tokens, seconds = self.round_of(k, feed, batch)
         return tokens / seconds
 
+    def rounds(self, max_k: int, feed: int = 1, batch: BatchRows = ONE_ROW) -> dict:
+        """
+        :meth:`round_of` for every draft length ``0..max_k``: ``{k: (tokens, seconds)}``.
+
+        Args:
+            max_k (`int`): longest draft allowed.
+            feed (`int`): positions the draft consumes first.
+            batch (`BatchRows`): the unfinished rows (default: one sequence).
+        """
+        return {k: self.round_of(k, feed, batch) for k in range(max_k + 1)}
+
     def best(self, max_k: int, feed: int = 1, lowest: int = 0, batch: BatchRows = ONE_ROW) -> int:
         """
         The ``k`` in ``lowest..max_k`` with the most expected tokens per second.
@@ -287,12 +304,11 @@ class Eagle3DraftLengthPolicy:
             lowest (`int`): shortest draft considered.
             batch (`BatchRows`): the unfinished rows (default: one sequence).
         """
-        rates = {k: self.tokens_per_second(k, feed, batch) for k in range(lowest, max_k + 1)}
-        return max(rates, key=rates.get)
+        return _fastest(self.rounds(max_k, feed, batch), lowest)
 
     def choose(self, max_k: int, feed: int = 1, batch: BatchRows = ONE_ROW) -> int:
         """
-        The draft length of the next round, probes included.
+        The draft length of the next round, probes included (each length priced once).
 
         Args:
             max_k (`int`): longest draft allowed this round.
@@ -301,14 +317,14 @@ class Eagle3DraftLengthPolicy:
         """
         if max_k <= 0:
             return 0
-        k = self.best(max_k, feed, batch=batch)
+        rounds = self.rounds(max_k, feed, batch)
+        k = _fastest(rounds)
         if k > 0:
             self.probes.drafting()
             return k
-        k = self.best(max_k, feed, lowest=1, batch=batch)  # the probe's length
-        tokens, seconds = self.round_of(k, feed, batch)
-        return k if self.probes.probe_now(seconds=seconds, tokens=tokens,
-                                          plain=1.0 / self.tokens_per_second(0, feed, batch)) else 0
+        k = _fastest(rounds, lowest=1)  # the probe's length
+        (tokens, seconds), (plain_tokens, plain_seconds) = rounds[k], rounds[0]
+        return k if self.probes.probe_now(seconds=seconds, tokens=tokens, plain=plain_seconds / plain_tokens) else 0
 
     def observe(self, drafted: int, accepted: int) -> None:
         """
