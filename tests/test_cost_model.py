@@ -23,7 +23,6 @@ from hf_eagle3 import Eagle3CandidateGenerator
 from hf_eagle3.core import cost_model, draft_length_policy
 from hf_eagle3.core.cost_model import Eagle3Costs, interpolate, measure_costs
 from hf_eagle3.core.draft_length_policy import (
-    MAX_PROBE_EVERY,
     PROBE_BUDGET,
     PROBE_EVERY,
     Eagle3AcceptanceEstimate,
@@ -93,24 +92,6 @@ def test_probe_schedule_counts_rounds_and_backs_off():
     assert futile.probe_now()  # the rounds counted while a probe could not change the decision
 
 
-def test_probe_budget_halves_with_each_probe_that_does_not_pay():
-    probes, waits = ProbeSchedule(), []
-    for _ in range(4):  # probes expected to lose 1 s each, rounds without a draft of 1 s
-        waited = 0
-        while not probes.probe_now(seconds=2.0, tokens=1.0, plain=1.0):
-            probes.wait(1.0)
-            waited += 1
-        waits.append(waited)
-    assert waits[0] == math.ceil(1.0 / PROBE_BUDGET)  # the first probe once the time waited pays for it
-    assert waits[1:] == [2 * waits[0], 4 * waits[0], 8 * waits[0]]  # each probe that did not pay: half the budget
-    assert probes.budget == PROBE_BUDGET * PROBE_EVERY / MAX_PROBE_EVERY
-    while not probes.probe_now():  # the last probe did not pay either: the interval stays at its longest
-        assert probes.budget == PROBE_BUDGET * PROBE_EVERY / MAX_PROBE_EVERY
-    probes.drafting()  # that probe paid: the first interval and budget are back
-    assert probes.every == PROBE_EVERY
-    assert probes.budget == PROBE_BUDGET
-
-
 @pytest.mark.parametrize("max_k", [1, 5, 8])
 def test_policy_drafts_nothing_when_verification_is_costly_and_acceptance_low(max_k):
     """Drafting clearly does not pay: the policy drafts nothing, and its probes wait until the rounds without a draft
@@ -119,7 +100,7 @@ def test_policy_drafts_nothing_when_verification_is_costly_and_acceptance_low(ma
     assert policy.best(max_k) == 0
     plain = policy.costs.round_seconds(0)  # 1 s, one token
     choices, lost, waited = [], 0.0, 0.0
-    for _ in range(PROBE_EVERY * 64):
+    for _ in range(PROBE_EVERY * 16):
         choices.append(policy.choose(max_k))
         tokens, seconds = policy.round_of(choices[-1])
         if choices[-1]:
@@ -132,7 +113,7 @@ def test_policy_drafts_nothing_when_verification_is_costly_and_acceptance_low(ma
     loss = seconds - tokens * plain
     assert loss / PROBE_BUDGET > PROBE_EVERY  # more than the count schedule waits: the budget sets the probes' pace
     assert probes[0] == math.ceil(loss / PROBE_BUDGET)  # the first probe once the time waited pays for it
-    assert probes[1] - probes[0] - 1 == math.ceil(loss / (PROBE_BUDGET / 2))  # then half the budget: twice as long
+    assert probes[1] - probes[0] - 1 >= loss / PROBE_BUDGET
     assert 2 <= len(probes) and lost <= PROBE_BUDGET * waited
 
 

@@ -23,7 +23,6 @@ DECAY = 0.95  # per drafted round: older rounds count less, so the estimate foll
 PROBE_EVERY = 8  # rounds without a draft before the first probe; doubles after each probe that does not pay
 MAX_PROBE_EVERY = 64
 PROBE_BUDGET = 0.02  # a probe's expected loss may be at most this fraction of the time waited since the last one
-# (halved with each doubling of the probe interval: 0.25 % at MAX_PROBE_EVERY)
 OVERHEAD_SMOOTHING = 0.2  # exponential smoothing of the measured per-round overhead
 
 
@@ -173,9 +172,8 @@ class ProbeSchedule:
     ``every`` rounds without a draft; ``every`` doubles (up to :data:`MAX_PROBE_EVERY`) each time the probe does not
     change the decision, and falls back to :data:`PROBE_EVERY` when it does. A probe is also paid for in time: it waits
     until its expected loss (its time less that of the plain rounds that would bring as many tokens) is at most
-    :attr:`budget` of the time the rounds without a draft took since the last one (:data:`PROBE_BUDGET`, halved as
-    ``every`` doubles), so that probes cost at most that fraction of a call where drafting clearly does not pay, less
-    the longer it keeps not paying, and come on schedule where it nearly does.
+    :data:`PROBE_BUDGET` of the time the rounds without a draft took since the last one, so that probes cost at most
+    that fraction of a call where drafting clearly does not pay, and come on schedule where it nearly does.
 
     Args:
         every (`int`): rounds without a draft before the next probe.
@@ -194,13 +192,6 @@ class ProbeSchedule:
             self.every = PROBE_EVERY  # the probe paid: drafting is back
         self._probing, self._skipped, self.waited = False, 0, 0.0
 
-    @property
-    def budget(self) -> float:
-        """The fraction of the time waited that a probe may be expected to lose: :data:`PROBE_BUDGET` at the first
-        interval, halved with each doubling of ``every`` (each probe that did not change the decision), so that
-        probes into a setting where drafting keeps not paying cost ever less."""
-        return PROBE_BUDGET * PROBE_EVERY / max(self.every, PROBE_EVERY)
-
     def wait(self, seconds: float) -> None:
         """
         Record the time of a round without a draft.
@@ -213,7 +204,7 @@ class ProbeSchedule:
     def probe_now(self, useful: bool = True, seconds: float = 0.0, tokens: float = 0.0, plain: float = 0.0) -> bool:
         """
         The policy would not draft this round: whether to draft anyway (a probe). The probe's expected loss is
-        ``seconds - tokens * plain``; it waits until the time waited pays for that (:attr:`budget`).
+        ``seconds - tokens * plain``; it waits until the time waited pays for that (:data:`PROBE_BUDGET`).
 
         Args:
             useful (`bool`): whether a probe could change the policy's decision now; while it could not, the round
@@ -226,7 +217,7 @@ class ProbeSchedule:
             self.every = min(2 * self.every, MAX_PROBE_EVERY)
             self._probing = False
         self._skipped += 1
-        if self._skipped < self.every or not useful or seconds - tokens * plain > self.budget * self.waited:
+        if self._skipped < self.every or not useful or seconds - tokens * plain > PROBE_BUDGET * self.waited:
             return False
         self._skipped, self._probing, self.waited = 0, True, 0.0
         return True

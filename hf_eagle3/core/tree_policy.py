@@ -139,9 +139,8 @@ class TreeSizeChooser:
         weighed as the next round with a tree will be (:meth:`next_weight`: more, the longer trees have been skipped),
         would bring the recent rounds up to :data:`SKIP_BELOW`, and once the rounds without a tree have paid for its
         expected loss (a recent round with a tree and the feed the rounds without one deferred, against the plain
-        steps that bring the batch as far, see :attr:`~hf_eagle3.core.draft_length_policy.ProbeSchedule.budget`). In
-        a batch the tokens are those by which the batch nears its end
-        (:meth:`~hf_eagle3.core.batch_tail.BatchRows.tokens`).
+        steps that bring the batch as far, see :data:`~hf_eagle3.core.draft_length_policy.PROBE_BUDGET`). In a batch
+        the tokens are those by which the batch nears its end (:meth:`~hf_eagle3.core.batch_tail.BatchRows.tokens`).
 
         Trees are judged from :data:`MIN_ROUNDS_BEFORE_SKIPPING` rounds on; before :data:`SETTLED_ROUNDS`, with the
         benefit of the doubt: a row's mean tokens a round taken :data:`DOUBT` standard errors higher (the rows' rounds
