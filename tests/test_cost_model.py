@@ -204,14 +204,16 @@ def test_a_plain_round_not_yet_measured_is_priced_at_its_timed_forward():
     for _ in range(20):  # drafting rounds take 0.8 s more than the costs say; no plain round yet
         policy.observe_time(2, policy.costs.round_seconds(2, 1) + 0.8, feed=1)
     assert policy.overhead[False] is None
-    assert policy.tokens_per_second(0) == pytest.approx(1 / policy.costs.round_seconds(0))
+    tokens, seconds = policy.round_of(0)
+    assert tokens / seconds == pytest.approx(1 / policy.costs.round_seconds(0))
     assert policy.best(4) == 0  # priced with the drafting rounds' 0.8 s, the plain step would lose (1 / 1.8 s)
     fresh = Eagle3DraftLengthPolicy(costs(verify_slope=0.1), estimate(0.5))
     for _ in range(20):
         fresh.observe_time(0, fresh.costs.round_seconds(0) + 0.3, feed=0)
     assert fresh.overhead[True] is None
     expected = fresh.estimate.expected_tokens(2) / (fresh.costs.round_seconds(2, 1) + 0.3)
-    assert fresh.tokens_per_second(2, feed=1) == pytest.approx(expected, rel=1e-3)
+    tokens, seconds = fresh.round_of(2, feed=1)
+    assert tokens / seconds == pytest.approx(expected, rel=1e-3)
 
 
 def test_policy_state_carries_to_the_next_call():

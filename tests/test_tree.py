@@ -581,7 +581,7 @@ def test_auto_sizes_each_round_from_the_previous_rounds_candidates(monkeypatch):
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "first_nodes",
                         lambda self, most: first.append(first_nodes(self, most)) or first[-1])
     # a tree every round: whether trees pay on this machine (and when a probe comes) is not what is tested here
-    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *batch: True)
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *args: True)
     out = greedy(target, ids, max_new_tokens=24, assistant_model=tiny_draft(target, seed=12), **tree(3, 5, "auto"))
     assert torch.equal(out, ref)
     assert sizes[0] == first[0] <= min(tree_policy.AUTO_FIRST, tree_policy.auto_most_nodes(5, 3))
@@ -596,7 +596,7 @@ def test_auto_trees_grow_back_after_a_small_one(monkeypatch):
     ids = prompt(9, seed=13)
     script = itertools.cycle([1, 8])
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", lambda self, probs, *batch: next(script))
-    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *batch: True)
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *args: True)
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "levels", lambda self, frontier, most: most)
     nodes = []
     select = batch_drafter.Eagle3BatchTreeDrafter.select

@@ -271,18 +271,6 @@ class Eagle3DraftLengthPolicy:
         seconds = max(self.costs.round_seconds(k, feed) + overhead, 1e-9)
         return batch.tokens(self.estimate.expected_tokens(k), self.estimate.tokens_std(k)), seconds
 
-    def tokens_per_second(self, k: int, feed: int = 1, batch: BatchRows = ONE_ROW) -> float:
-        """
-        Expected tokens per second of a round drafting ``k`` (see :meth:`round_of`).
-
-        Args:
-            k (`int`): tokens drafted (0: a plain target step).
-            feed (`int`): positions the draft consumes first.
-            batch (`BatchRows`): the unfinished rows (default: one sequence).
-        """
-        tokens, seconds = self.round_of(k, feed, batch)
-        return tokens / seconds
-
     def rounds(self, max_k: int, feed: int = 1, batch: BatchRows = ONE_ROW) -> dict:
         """
         :meth:`round_of` for every draft length ``0..max_k``: ``{k: (tokens, seconds)}``.
