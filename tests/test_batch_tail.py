@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
-from conftest import tiny_draft
+from conftest import known_costs, tiny_draft
 from test_cost_model import costs, estimate
 
 from hf_eagle3.core import draft_length_policy, tree_policy
@@ -233,6 +233,7 @@ def test_the_loop_passes_the_batch_to_the_choices(monkeypatch):
     ids = torch.randint(3, target.config.vocab_size, (3, 7), generator=gen)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
+    known_costs(target, draft, rows=3)  # the first round is priced (not the plain step that learns a plain step)
     ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
     out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, assistant_model=draft,
                           tree_top_k=3, tree_depth=3, tree_total_tokens="auto")
@@ -280,7 +281,7 @@ def test_a_call_starts_from_the_last_one_at_its_batch_size(monkeypatch):
                                                 max_new_tokens=12))
     assert started[0] is None and started[2] is None
     assert started[1] is not None and 0 < started[1]["rounds"] <= tree_policy.CARRIED_ROUNDS
-    assert len(draft._tree_size_state) == 2
+    assert len(draft.drafting_memory.trees) == 2
 
 
 def test_a_batched_call_carries_how_far_its_rows_differed(monkeypatch):
@@ -289,16 +290,15 @@ def test_a_batched_call_carries_how_far_its_rows_differed(monkeypatch):
     from test_batched import CHAIN, batch_draft, batch_target, oracle_generate, padded_batch
 
     target, draft = batch_target("llama"), batch_draft("llama")
-    if hasattr(draft, "_rows_spread"):
-        del draft._rows_spread
+    draft.drafting_memory.rows_spread = None
     ids, mask = padded_batch((4, 13, 8, 2, 10), seed=7)
     ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
     assert torch.equal(oracle_generate(target, draft, ids, mask, ref, max_new_tokens=30, **CHAIN), ref)
     accepted = [s.num_accepted_tokens / s.num_drafts for s in draft.last_batch_stats]
-    spread = draft._rows_spread  # the oracle's rows accept different shares of their drafts
+    spread = draft.drafting_memory.rows_spread  # the oracle's rows accept different shares of their drafts
     assert max(accepted) > 1.3 * min(accepted) and isinstance(spread, float) and spread > 0.0
     target.generate(ids[:1], attention_mask=mask[:1], do_sample=False, max_new_tokens=8, assistant_model=draft)
-    assert draft._rows_spread == spread  # one row: nothing compared
+    assert draft.drafting_memory.rows_spread == spread  # one row: nothing compared
     priors = []
     choose = draft_length_policy.Eagle3DraftLengthPolicy.choose
     monkeypatch.setattr(draft_length_policy.Eagle3DraftLengthPolicy, "choose",

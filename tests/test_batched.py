@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import (
     break_tree_sampling,
+    known_costs,
     plain_continuations,
     sampling_models,
     tiny_draft,
@@ -197,10 +198,11 @@ def test_tree_auto_sizes_every_round_and_stays_exact(arch, monkeypatch):
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "first_nodes", lambda self, most: 16)
     target, draft = batch_target(arch), batch_draft(arch)
     ids, mask = padded_batch((4, 13, 8, 2), seed=12)
+    known_costs(target, draft, rows=4)  # priced from the first round
     ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
     settings = dict(tree_top_k=3, tree_depth=4, tree_total_tokens="auto")  # 30 candidates a round
     out = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30, assistant_model=draft,
-                          **settings)  # also times the target's forwards at this batch size, once
+                          **settings)
     assert torch.equal(out, ref)
     rounds = []  # nodes per row of each round's verify forward
     original = decoding_loop.batch_tree_mask
@@ -401,7 +403,7 @@ def batched_samples(n: int, seed: int, settings: dict) -> tuple[list, float]:
     outs, accepted = [], 0
     for i in range(n // 4):
         torch.manual_seed(seed + i)
-        draft._tree_size_state = {}
+        draft.drafting_memory.trees = {}
         out = target.generate(ids, attention_mask=mask, assistant_model=draft, **SAMPLING, **settings)
         outs += [row[6:] for row in out[0::2].tolist()]
         accepted += draft.last_stats.num_accepted_tokens

@@ -4,7 +4,7 @@ The policy is tested on stubbed costs (it drafts nothing when verification is co
 when verification is free and acceptance high, and probes while it drafts nothing); decoding with it stays lossless
 (greedy identity on four architectures with rounds that draft nothing between rounds that draft, the draft's cache
 equal to a from-scratch forward after deferred feeds, the chi-square test with a negative control); an explicit
-``num_assistant_tokens`` is never overridden; the costs are measured once per target and kept.
+``num_assistant_tokens`` is never overridden. The cost table and the budgets are in ``test_budget.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from test_core_sampling import ALPHA, PROMPT, SAMPLING, _broken_processors, plai
 
 from hf_eagle3 import Eagle3CandidateGenerator
 from hf_eagle3.core import cost_model, draft_length_policy
-from hf_eagle3.core.cost_model import Eagle3Costs, interpolate, measure_costs
+from hf_eagle3.core.cost_model import Eagle3Costs, interpolate, measure_round_costs
 from hf_eagle3.core.draft_length_policy import (
     PROBE_BUDGET,
     PROBE_EVERY,
@@ -266,7 +266,7 @@ def test_auto_real_policy_greedy_identity():
     stats = draft.last_stats
     assert stats.num_target_forwards == stats.num_drafts + stats.num_rounds_without_draft + 1
     assert len(stats.drafted_per_position) <= 4
-    assert draft._draft_length_state["estimate"] is not None  # carried to the next call
+    assert draft.drafting_memory.chain["estimate"] is not None  # carried to the next call
 
 
 def test_deferred_feed_matches_scratch_forward(monkeypatch):
@@ -313,48 +313,6 @@ def test_explicit_num_assistant_tokens_is_never_overridden(monkeypatch):
         greedy(target, ids, max_new_tokens=4, assistant_model=draft, num_assistant_tokens_schedule="fastest")
 
 
-def test_costs_are_measured_once_per_target(monkeypatch):
-    target = target_of("qwen3")
-    draft = tiny_draft(target, seed=4)
-    draft.bind_target(target)  # generate does it before the policy measures
-    ids = random_prompt(8, seed=4)
-    first = measure_costs(target, draft, ids)
-    assert set(first.target) == set(cost_model.TARGET_SIZES)
-    assert all(s > 0 for s in first.target.values()) and first.draft_step > 0
-    calls = []
-    monkeypatch.setattr(cost_model, "measure_target_seconds", lambda *a, **k: calls.append(1) or first.target)
-    assert measure_costs(target, draft, random_prompt(20, seed=5)) is first
-    assert not calls
-    measure_costs(target, draft, ids, refresh=True)
-    assert calls == [1]
-    assert first.to_dict()["target_ratio"]["1"] == pytest.approx(1.0)
-
-
-def test_a_long_prompt_is_priced_at_its_own_context_length(monkeypatch):
-    """Forwards are timed on a cache as long as the call's prompt (the next power of two, at least 128 entries): a
-    300-token prompt on 512 entries, measured once for every prompt of 257 to 512 tokens; short prompts share 128."""
-    assert [cost_model.context_length(n) for n in (1, 128, 129, 300, 512, 513)] == [128, 128, 256, 512, 512, 1024]
-    prompts = [random_prompt(n, seed=n) for n in (20, 300, 90, 400, 200)]  # a benchmark warms up on 20, 300, 200
-    assert [p.shape[1] for p in cost_model.one_per_context_length(prompts)] == [20, 300, 200]
-    target = target_of("llama")
-    draft = tiny_draft(target, seed=4)
-    draft.bind_target(target)
-    timed, fed = [], []
-    measure_target, measure_draft = cost_model.measure_target_seconds, cost_model.measure_draft_seconds
-    monkeypatch.setattr(cost_model, "measure_target_seconds",
-                        lambda t, ids, *a, **k: timed.append(ids.shape[1]) or measure_target(t, ids, *a, **k))
-    monkeypatch.setattr(cost_model, "measure_draft_seconds",
-                        lambda d, **k: fed.append(k["context"]) or measure_draft(d, **k))
-    long = random_prompt(300, seed=6)
-    costs_long = measure_costs(target, draft, long, refresh=True)
-    assert timed == [512] and fed == [512]
-    assert measure_costs(target, draft, random_prompt(400, seed=7)) is costs_long  # same context length: kept
-    assert measure_costs(target, draft, random_prompt(20, seed=7), refresh=True) is not costs_long
-    assert timed == [512, 128] and fed == [512, 128]
-    cost_model.target_costs(target, long, sizes=(1, 4))
-    assert timed[-1] == 512
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_the_loops_forwards_are_timed_with_the_loops_mask(arch, monkeypatch):
     """Every target forward of the package's loop carries a 4D attention mask, and an attention kernel may run a
@@ -383,45 +341,6 @@ def test_the_loops_forwards_are_timed_with_the_loops_mask(arch, monkeypatch):
     given.clear()
     cost_model.measure_target_seconds(target, ids, sizes=(1, 3), repeats=1)
     assert [k.get("attention_mask") for k in given if "position_ids" in k] == [None] * 4
-
-
-def test_masked_and_unmasked_costs_are_kept_apart(monkeypatch):
-    """The package's loop prices its rounds with masked timings, Transformers' loop (batch-1 chains) with unmasked
-    ones: each is measured on its first use and kept under its own key."""
-    target = target_of("llama")
-    draft = tiny_draft(target, seed=4)
-    draft.bind_target(target)
-    monkeypatch.setattr(cost_model, "_TARGET_SECONDS", type(cost_model._TARGET_SECONDS)())
-    monkeypatch.setattr(cost_model, "_COSTS", type(cost_model._COSTS)())
-    masked, measure = [], cost_model.measure_target_seconds
-    monkeypatch.setattr(cost_model, "measure_target_seconds",
-                        lambda *a, masked_=masked, **k: masked_.append(k.get("masked", False)) or measure(*a, **k))
-    ids = random_prompt(12, seed=5)
-    loop = measure_costs(target, draft, ids, masked=True)
-    transformers = measure_costs(target, draft, ids)
-    assert masked == [True, False] and loop is not transformers
-    assert measure_costs(target, draft, ids, masked=True) is loop and measure_costs(target, draft, ids) is transformers
-    cost_model.target_costs(target, ids, masked=True)
-    assert masked == [True, False]  # the same sizes, masked: the loop's measure is kept
-
-
-def test_each_loop_prices_its_rounds_with_its_own_masking(monkeypatch):
-    """Batched chains and trees of every batch size run in the package's loop (masked forwards); batch-1 chains run in
-    Transformers' loop (unmasked one-token steps)."""
-    target = target_of("llama")
-    draft = tiny_draft(target, seed=4)
-    monkeypatch.setattr(cost_model, "_TARGET_SECONDS", type(cost_model._TARGET_SECONDS)())
-    monkeypatch.setattr(cost_model, "_COSTS", type(cost_model._COSTS)())
-    masked, measure = [], cost_model.measure_target_seconds
-    monkeypatch.setattr(cost_model, "measure_target_seconds",
-                        lambda *a, masked_=masked, **k: masked_.append(k.get("masked", False)) or measure(*a, **k))
-    one, two = random_prompt(10, seed=6), torch.cat([random_prompt(10, seed=6), random_prompt(10, seed=7)])
-    greedy(target, one, max_new_tokens=3, assistant_model=draft, **AUTO)
-    assert masked == [False]
-    greedy(target, two, attention_mask=torch.ones_like(two), max_new_tokens=3, assistant_model=draft, **AUTO)
-    assert masked == [False, True]
-    greedy(target, one, max_new_tokens=3, assistant_model=draft, tree_depth=2, tree_top_k=2, tree_total_tokens="auto")
-    assert masked == [False, True, True]
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
@@ -518,8 +437,8 @@ def test_speculators_export_carries_the_shared_embedding_when_the_target_is_know
 
 def test_static_steps_are_timed_on_a_cache_of_the_calls_capacity(monkeypatch):
     """Static drafting steps attend over their cache's whole capacity: the draft is timed on a cache of the call's
-    capacity bucket (and its buffers are the ones the call uses), one measure per bucket. Steps that are not static
-    attend over the columns in use: one measure serves every capacity."""
+    capacity bucket (and its buffers are the ones the call uses). Steps that are not static attend over the columns in
+    use: no capacity is asked for."""
     target = target_of("llama")
     draft = tiny_draft(target, seed=4)
     draft.bind_target(target)
@@ -527,14 +446,13 @@ def test_static_steps_are_timed_on_a_cache_of_the_calls_capacity(monkeypatch):
     monkeypatch.setattr(cost_model, "measure_draft_seconds",
                         lambda d, **k: timed.append(k["capacity"]) or measure_draft(d, **k))
     ids = random_prompt(20, seed=3)
-    dynamic = measure_costs(target, draft, ids, capacity=1000, refresh=True)
-    assert measure_costs(target, draft, ids, capacity=100) is dynamic and timed == [None]
+    dynamic = measure_round_costs(target, draft, ids, sizes=(1, 2), capacity=1000)
+    assert timed == [None] and dynamic.draft_step > 0
     monkeypatch.setattr(type(draft), "static_steps", lambda self: True)  # as a compile config with static shapes
     draft.static_kv_buffers.clear()
-    short = measure_costs(target, draft, ids, capacity=100)
-    long = measure_costs(target, draft, ids, capacity=1000)
-    assert timed == [None, 256, 1024] and len({id(dynamic), id(short), id(long)}) == 3
-    assert measure_costs(target, draft, ids, capacity=900) is long  # the same bucket: kept
+    measure_round_costs(target, draft, ids, sizes=(1, 2), capacity=100)
+    measure_round_costs(target, draft, ids, sizes=(1, 2), capacity=1000)
+    assert timed == [None, 256, 1024]
     assert sorted(key[2] for key in draft.static_kv_buffers) == [256, 1024]
 
 

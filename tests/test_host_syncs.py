@@ -72,7 +72,7 @@ def marginal(pair, path: str, size: int, sample: bool, callers=("ours",)) -> tup
 @pytest.mark.parametrize("path,size,sample", sorted(CEILINGS))
 def test_syncs_per_round_stay_within_the_ceiling(pair, path, size, sample):
     per_round, counter = marginal(pair, path, size, sample)
-    assert counter.rounds >= 20
+    assert counter.rounds >= 16  # half the 32 tokens: enough rounds for a per-round count
     places = {k: v for k, v in counter.places.items() if k[0] == "ours"}
     assert per_round <= CEILINGS[(path, size, sample)] + 1e-9, places
 

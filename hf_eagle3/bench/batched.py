@@ -2,8 +2,8 @@
 the same left-padded batches, with the ratios to plain batched ``generate`` of the same batch size (greedy).
 
 For every batch size the prompts are cut into consecutive batches; for every batch each strategy runs in turn
-(interleaved, so that a change of machine load hits all alike), after warm-up calls per strategy and batch size (one per
-context length the batches have, so that no timed call measures costs); ``repeats`` times over, for a machine whose
+(interleaved, so that a change of machine load hits all alike), after a warm-up call per strategy and batch size (lazy
+initialisation and compilation are not timed); ``repeats`` times over, for a machine whose
 speed varies from call to call. Besides the ratio of the summed times, each strategy's median over its calls of the
 ratio to the plain call just before it (paired: robust to drift and to one slow call).
 Every row of every strategy's output is compared with plain batched ``generate``'s.
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from hf_eagle3.bench.strategies import TREE_SHAPES, build_strategies
-from hf_eagle3.core.cost_model import one_per_context_length, synchronize
+from hf_eagle3.core.cost_model import synchronize
 from hf_eagle3.loading import encode_prompt
 
 # Families that run on batches (prompt-lookup decoding is Transformers' assisted loop, batch 1 only).
@@ -98,12 +98,12 @@ def run_batched_bench(target, draft, tokenizer, prompts: list[str], batch_sizes=
         if not batches:
             raise ValueError(f"--batch-sizes {size}: only {len(encoded)} prompts; raise --num-prompts.")
         totals = {s.name: {"seconds": 0.0, "new_tokens": 0, "stats": None, "calls": []} for s in strategies}
-        for s in strategies:  # warm-up (and the "auto" costs of this batch size, at every context length)
+        for s in strategies:  # warm-up: lazy initialisation (and compilation) is not timed
             kwargs = dict(s.generate_kwargs, assistant_model=draft) if s.uses_draft else dict(s.generate_kwargs)
-            for ids, mask in one_per_context_length(batches, length=lambda batch: batch[0].shape[1]):
-                with s.applied_to(draft):
-                    target.generate(ids, attention_mask=mask, max_new_tokens=min(8, max_new_tokens), do_sample=False,
-                                    **kwargs)
+            ids, mask = batches[0]
+            with s.applied_to(draft):
+                target.generate(ids, attention_mask=mask, max_new_tokens=min(8, max_new_tokens), do_sample=False,
+                                **kwargs)
         for b, (ids, mask) in [pair for _ in range(repeats) for pair in enumerate(batches)]:
             reference = None
             for s in strategies:

@@ -29,7 +29,7 @@ from hf_eagle3.bench.oracle_drafting import (
     parse_profile,
 )
 from hf_eagle3.bench.synthetic import synthetic_target
-from hf_eagle3.core.cost_model import measure_costs, synchronize
+from hf_eagle3.core.cost_model import measure_round_costs, synchronize
 from hf_eagle3.core.generate_hook import use_drafting
 from hf_eagle3.environment import environment_record
 
@@ -158,7 +158,7 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
     draft.bind_target(target)
     warm = prompts[0][:, :16].to(device)
     target.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, do_sample=False)
-    costs = measure_costs(target, draft, prompts[0].to(device))
+    costs = measure_round_costs(target, draft, prompts[0].to(device))
     # (name, generate kwargs, k, tree shape)
     strategies = [(f"chain k={k}", {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant"}, k, None)
                   for k in ks]

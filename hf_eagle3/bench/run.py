@@ -28,7 +28,7 @@ from hf_eagle3.bench.strategies import (
     parse_tree_shapes,
     register_strategy,
 )
-from hf_eagle3.core.cost_model import measure_target_seconds, one_per_context_length, synchronize
+from hf_eagle3.core.cost_model import measure_target_seconds, synchronize
 from hf_eagle3.environment import environment_record
 from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target
 
@@ -74,8 +74,8 @@ def run_bench(
     """Time every strategy on the same prompts, greedy and (when ``temperature > 0``) sampled.
 
     For each mode the loop runs prompt by prompt and, for each prompt, every strategy in turn, so that a change of
-    machine load affects all strategies alike. Each strategy is warmed up first (a short greedy call per
-    context length the prompts have, so that no timed call measures costs). Each
+    machine load affects all strategies alike. Each strategy is warmed up first (a short greedy call on the first
+    prompt: lazy initialisation and compilation are not timed). Each
     ``generate`` call is timed with ``time.perf_counter``. Sampled calls reseed with ``seed + prompt index``.
     Greedy outputs of every strategy are compared token by token with plain ``generate``.
 
@@ -110,14 +110,14 @@ def run_bench(
     modes = ["greedy"] + (["sampled"] if temperature and temperature > 0 else [])
     encoded = [encode_prompt(tokenizer, p).to(target.device) for p in prompts]
 
-    for strategy in strategies:  # warm-up, and the "auto" costs of every context length the prompts have
+    for strategy in strategies:  # warm-up: lazy initialisation (and compilation) is not timed
         kwargs = dict(strategy.generate_kwargs)
         if strategy.uses_draft:
             kwargs["assistant_model"] = draft
-        for ids in one_per_context_length(encoded):
-            with strategy.applied_to(draft):
-                target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(8, max_new_tokens),
-                                do_sample=False, **kwargs)
+        ids = encoded[0]
+        with strategy.applied_to(draft):
+            target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(8, max_new_tokens),
+                            do_sample=False, **kwargs)
 
     costs = measure_target_seconds(target, encoded[0], tuple(cost_sizes)) if cost_sizes else {}
 

@@ -5,14 +5,12 @@ The ``generate`` hook that selects it lives in ``generate_hook.py``.
 
 from __future__ import annotations
 
-import time
-
 import torch
 from transformers import GenerationConfig
 from transformers.generation import CandidateGenerator
 
-from .cost_model import measure_costs
-from .draft_length_policy import Eagle3DraftLengthPolicy
+from .budget import RoundOutcome, chain_budget
+from .cost_model import Stopwatch
 from .draft_state import Eagle3DraftState
 from .draft_steps import chain_step
 from .feature_capture import Eagle3OutputFeatures
@@ -45,11 +43,11 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         num_assistant_tokens_schedule (`str`): ``"constant"``, ``"heuristic"`` (+2 after a fully accepted round,
             -1 otherwise, kept on the draft's generation config after the call), ``"heuristic_transient"`` (same,
             not kept) or ``"auto"`` (each round the length, 0 included, with the most expected tokens per second
-            under the round costs measured on this machine and the acceptance seen so far; see
-            :class:`~hf_eagle3.core.draft_length_policy.Eagle3DraftLengthPolicy`).
+            under the round costs of this machine and the acceptance seen so far; see
+            :class:`~hf_eagle3.core.budget.ChainBudget`).
         assistant_confidence_threshold (`float`): stop drafting in a round once the draft's probability of its own
             token falls below this (0 disables it; when set, each draft step reads one value back from the device).
-        target (`PreTrainedModel`, *optional*): the target, whose forwards ``"auto"`` times once (required for it).
+        target (`PreTrainedModel`, *optional*): the target, whose costs ``"auto"`` looks up (required for it).
         recurrent_target (`bool`, *optional*): the target has recurrent / linear-attention layers, whose roll-back
             history Transformers sizes once per call by :attr:`num_drafting_tokens`: no round then drafts more than
             the initial ``num_assistant_tokens`` (the heuristic schedules grow up to it, not beyond).
@@ -81,7 +79,7 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         if int(num_assistant_tokens) < 1:
             raise ValueError(f"num_assistant_tokens must be >= 1, got {num_assistant_tokens}")
         if num_assistant_tokens_schedule == "auto" and target is None:
-            raise ValueError("num_assistant_tokens_schedule='auto' needs the target (to time its forwards).")
+            raise ValueError("num_assistant_tokens_schedule='auto' needs the target (to price its forwards).")
         self.draft = draft
         self.step = draft.step_call(chain_step)  # eager, or compiled (the draft's generation config)
         self.capture = capture
@@ -102,11 +100,13 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         # the draft's cache, fed positions and pending verified positions
         self.state = Eagle3DraftState(draft, capacity=generation_config.max_length + 1)
         self.stats = Eagle3Stats()
-        self.policy: Eagle3DraftLengthPolicy | None = None  # created on the first round of "auto"
+        self.budget = (chain_budget(target, draft, input_ids, self.num_assistant_tokens, masked=False)
+                       if num_assistant_tokens_schedule == "auto" else None)
+        self.stopwatch = Stopwatch(self.device) if self.budget is not None else None
         self._last_len = input_ids.shape[1]  # length of the sequence handed to the target last round
         self._last_k = 0  # tokens drafted last round
-        self._last_feed = 0  # positions fed last round
-        self._round_start = None  # wall clock at the start of the last round ("auto" measures rounds)
+        self._round = None  # "auto": the round's plan, positions fed and marks (started, fed, drafted)
+        self._round_from = None  # "auto": the end mark of the last round (where this round's time starts)
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -128,28 +128,26 @@ class Eagle3CandidateGenerator(CandidateGenerator):
             `(candidate_input_ids, candidate_logits)`: the sequence followed by the drafted tokens, and (when
             sampling) the processed draft scores over the target vocabulary `(1, k, vocab_size)`, else `None`.
         """
-        now = time.perf_counter()
-        if self.policy is not None and self._round_start is not None:
-            self.policy.observe_time(self._last_k, now - self._round_start, feed=self._last_feed)
-        self._round_start = now
+        started = self._mark()
         cur_len = input_ids.shape[1]
         if self.requires_model_outputs:
             self.capture.receive(model_outputs)
         self._collect_features(input_ids)
-        self._last_len, self._last_k, self._last_feed = cur_len, 0, 0
+        self._last_len, self._last_k, self._round = cur_len, 0, None
         if not self.state.num_pending and self.state.fed == 0:  # first round: the target has not run yet
-            if self.schedule == "auto" and self.policy is None:
-                self.policy = self._make_policy(input_ids)
-                self._round_start = None  # the timing forwards are not part of a round
             return input_ids, None
         k = min(self.num_assistant_tokens, self.max_length - cur_len - 1)
-        if self.policy is not None:
-            k = self.policy.choose(k, feed=cur_len - 1 - self.state.fed)
+        feed = cur_len - 1 - self.state.fed
+        if self.budget is not None:
+            plan = self.budget.plan(feed=feed, room=k)
+            self._round = [plan, feed, started, None, started]
+            k = plan.total
         if k <= 0:  # max_length reached, or "auto" drafts nothing: a plain target step, the feed waits
             return input_ids, None
         ids = input_ids.to(self.device)
-        self._last_feed = cur_len - 1 - self.state.fed
         out = self.state.feed()
+        if self._round is not None:
+            self._round[3] = self._mark()
         tokens, scores = [], []
         seq = ids
         for step in range(k):
@@ -166,6 +164,8 @@ class Eagle3CandidateGenerator(CandidateGenerator):
                 break
             out = self.state.step(self.step, token[:, None], out.hidden_states[:, -1:], cur_len - 1 + step)
         self._last_k = len(tokens)
+        if self._round is not None:
+            self._round[4] = self._mark()
         candidate_logits = torch.stack(scores, dim=1) if scores else None
         return seq, candidate_logits
 
@@ -176,11 +176,24 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         # the tokens ``known + 1 .. cur_len - 1`` of the sequence.
         self.state.collect(self.capture, input_ids[0, known + 1 :], end=self._last_len + self._last_k)
 
-    def _make_policy(self, input_ids: torch.LongTensor) -> Eagle3DraftLengthPolicy:
-        """The ``"auto"`` policy: measured costs (once per process) and the acceptance carried from the last call."""
-        costs = measure_costs(self.target, self.draft, input_ids, capacity=self.max_length + 1)
-        self.capture.clear()  # the timing forwards ran through the hooks
-        return Eagle3DraftLengthPolicy.from_carried(costs, getattr(self.draft, "_draft_length_state", None))
+    def _mark(self):
+        """A mark on the device's timeline for ``"auto"`` (``None`` otherwise)."""
+        return self.stopwatch.mark() if self.stopwatch is not None else None
+
+    def _observe(self, accepted: int) -> None:
+        """``"auto"``: hand the finished round to the budget (its plan, acceptance and times; the round's time runs
+        from the previous round's end to this one's, so Transformers' bookkeeping is counted once)."""
+        ended, watch = self._mark(), self.stopwatch
+        if self._round is not None:
+            plan, feed, started, fed_at, drafted_at = self._round
+            drafted = self._last_k > 0
+            self.budget.observe(RoundOutcome(
+                plan._replace(depth=self._last_k, total=self._last_k), [self._last_k], [accepted], feed,
+                self._last_k + 1, watch.seconds(self._round_from or started, ended),
+                verify_seconds=watch.seconds(drafted_at, ended),
+                draft_seconds=watch.seconds(started, drafted_at) if drafted else 0.0,
+                feed_seconds=watch.seconds(started, fed_at) if drafted else 0.0, levels=self._last_k))
+        self._round_from = ended
 
     def _select(self, seq: torch.LongTensor, draft_scores: torch.FloatTensor):
         """Pick the next draft token (target id) from draft-vocabulary scores; return it and the processed scores."""
@@ -205,8 +218,8 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         """
         num_matches = int(num_matches)
         self.stats.record(self._last_k, num_matches)
-        if self.policy is not None:
-            self.policy.observe(self._last_k, num_matches)
+        if self.budget is not None:
+            self._observe(num_matches)
         if self._last_k and self.schedule in ("heuristic", "heuristic_transient"):
             if num_matches == self._last_k:
                 self.num_assistant_tokens += 2
@@ -219,4 +232,4 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         """End of the call: persist the heuristic draft length and publish the statistics on the draft."""
         if self.schedule == "heuristic":
             self.draft.generation_config.num_assistant_tokens = self.num_assistant_tokens
-        return publish_stats(self.draft, [self.stats], self.policy)
+        return publish_stats(self.draft, [self.stats], self.budget)

@@ -1,20 +1,30 @@
-"""What a decoding round costs on the machine at hand: the forwards a round is made of, timed once per target /
-draft / device / dtype (:func:`measure_costs`) and kept as :class:`Eagle3Costs`.
+"""What a decoding round costs on the machine at hand: the forwards a round is made of, as :class:`Eagle3Costs`, kept
+in a :class:`CostTable` per (device, dtype, target, draft, batch bucket, loop) and persisted in the user's cache
+directory, so that no ``generate`` call times anything beyond its own rounds.
 
 A round that drafts ``k`` tokens costs one draft forward over the positions the target verified since the draft last
 ran (the "feed", which also proposes the first token), ``k - 1`` further draft steps and a target forward over
 ``k + 1`` tokens. A round that drafts nothing is a plain target step (the feed is deferred to the next round that
-drafts). The policy that decides from these costs how much to draft is :mod:`hf_eagle3.core.draft_length_policy`.
+drafts). The table's entries come from two places: :func:`calibrate` times every forward ahead of time, at two
+context lengths (``hf-eagle3 calibrate``), and every timed round of a call teaches the call's costs what its own
+forwards took (:meth:`Eagle3Costs.learn`), which the call writes back when it ends. Costs at a context length
+between or beyond those stored are interpolated linearly in the context length. What decides from these costs how
+much to draft is :mod:`hf_eagle3.core.budget`.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import json
 import math
+import os
+import threading
 import time
+import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -22,9 +32,16 @@ from .draft_cache import static_capacity
 from .draft_steps import chain_step
 from .target_cache import tree_attention_mask
 
-TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # target forward sizes (new tokens) timed by :func:`measure_costs`
-FEED_SIZES = (1, 4, 16)  # draft feed sizes timed by :func:`measure_costs`
-CONTEXT_TOKENS = 128  # the shortest cache length the forwards are timed on (see `context_length`)
+# Target forward sizes (new tokens) :func:`calibrate` times: every chain length up to 8 drafted tokens (on a CPU in
+# float32 the cost of n tokens is not even monotonic in n, as MKL picks its kernels by shape), then the tree sizes.
+TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 32, 64)
+FEED_SIZES = (1, 4, 16)  # draft feed sizes :func:`calibrate` times
+CALIBRATION_CONTEXTS = (128, 1024)  # cache lengths :func:`calibrate` times at: two points of a line per size
+CONTEXT_TOKENS = 128  # the shortest context bucket a call's learnt costs are stored under (see `context_length`)
+# A stall can slow a round, never speed it up: a faster timing replaces a cost, a slower one moves it LEARN of the way,
+# counted at most SPIKE times the cost (so one stalled round cannot flip a decision).
+LEARN = 0.25
+SPIKE = 2.0
 
 
 def synchronize(device) -> None:
@@ -72,6 +89,7 @@ class Stopwatch:
             start, end: marks from :meth:`mark`.
         """
         if self.events:
+            end.synchronize()  # passed already: no wait
             return start.elapsed_time(end) / 1000.0
         return end - start
 
@@ -81,10 +99,12 @@ def interpolate(table: dict, n: float) -> float:
     Linear interpolation in ``table`` (``{size: seconds}``), linear extrapolation beyond its largest size.
 
     Args:
-        table (`dict[int, float]`): measured values at a few sizes.
+        table (`dict[int, float]`): measured values at a few sizes (empty: 0).
         n (`float`): the size to estimate.
     """
     sizes = sorted(table)
+    if not sizes:
+        return 0.0
     values = [table[s] for s in sizes]
     if n <= sizes[0] or len(sizes) == 1:
         return values[0]
@@ -98,17 +118,66 @@ def interpolate(table: dict, n: float) -> float:
 @dataclass
 class Eagle3Costs:
     """
-    Measured seconds of the forwards a decoding round is made of.
+    Measured seconds of the forwards a decoding round is made of. A size not measured is interpolated linearly
+    between the sizes that are (extrapolated beyond them); a cost not measured at all counts as nothing, so a round
+    that needs it is tried, and timed, once.
 
     Args:
-        target (`dict[int, float]`): a target forward of ``n`` new tokens, by ``n``.
+        target (`dict[int, float]`): a target forward of ``n`` new tokens, by ``n`` (empty: nothing measured yet).
         draft_feed (`dict[int, float]`): a draft forward over ``m`` verified positions (logits of the last only).
-        draft_step (`float`): one draft step (one position, its logits).
+        draft_step (`float`, *optional*): one draft step (one position, its logits).
     """
 
-    target: dict
-    draft_feed: dict
-    draft_step: float
+    target: dict = field(default_factory=dict)
+    draft_feed: dict = field(default_factory=dict)
+    draft_step: float | None = None
+    first_seen: set = field(default_factory=set, compare=False)  # sizes whose first timing was set aside
+
+    @property
+    def ready(self) -> bool:
+        """Whether a plain target step has been measured (every decision compares a round with one)."""
+        return 1 in self.target
+
+    def learn(self, nodes: int, verify_seconds: float, fed: int = 0, feed_seconds: float = 0.0, steps: int = 0,
+              step_seconds: float = 0.0) -> None:
+        """
+        Teach the costs what a round's forwards took: a faster timing replaces a cost, a slower one moves it
+        :data:`LEARN` of the way (counted at most :data:`SPIKE` times the cost). The first timing of a size not yet
+        measured is set aside (the first forward of a shape pays one-time costs: kernel choice, allocation); the
+        second is taken. A target forward of ``n`` tokens is counted at most ``n`` plain steps (``n`` one-token
+        forwards do its work).
+
+        Args:
+            nodes (`int`): tokens per row the round's target forward verified (the root included).
+            verify_seconds (`float`): its time.
+            fed (`int`): positions the draft's feed consumed (0: no feed this round).
+            feed_seconds (`float`): the feed's time.
+            steps (`int`): further draft forwards (levels) after the feed.
+            step_seconds (`float`): their time together.
+        """
+        if nodes > 1 and 1 in self.target:
+            verify_seconds = min(verify_seconds, nodes * self.target[1])
+        self._learn(self.target, "target", nodes, verify_seconds)
+        if fed > 0:
+            self._learn(self.draft_feed, "feed", fed, feed_seconds)
+        if steps > 0:
+            step = {1: self.draft_step} if self.draft_step is not None else {}
+            self._learn(step, "step", 1, step_seconds / steps)
+            self.draft_step = step.get(1)
+
+    def _learn(self, table: dict, kind: str, size: int, seconds: float) -> None:
+        """One timing of ``size`` into ``table`` (see :meth:`learn`)."""
+        old = table.get(size)
+        if old is None and (kind, size) not in self.first_seen:
+            self.first_seen.add((kind, size))
+        elif old is None or seconds <= old:
+            table[size] = seconds
+        else:
+            table[size] = old + LEARN * (min(seconds, SPIKE * old) - old)
+
+    def copy(self) -> "Eagle3Costs":
+        """An independent copy (a call learns on its own copy of the table's costs)."""
+        return Eagle3Costs(dict(self.target), dict(self.draft_feed), self.draft_step)
 
     def target_seconds(self, n: int) -> float:
         """
@@ -138,17 +207,18 @@ class Eagle3Costs:
         """
         if k <= 0:
             return self.target_seconds(1)
-        return self.feed_seconds(feed) + (k - 1) * self.draft_step + self.target_seconds(k + 1)
+        return self.feed_seconds(feed) + (k - 1) * (self.draft_step or 0.0) + self.target_seconds(k + 1)
 
     def to_dict(self) -> dict:
         """The costs in milliseconds, JSON-friendly, with the ratios to a one-token target forward."""
-        one = self.target_seconds(1)
+        one = self.target_seconds(1) or 1.0
+        step = self.draft_step or 0.0
         return {
             "target_ms": {str(n): 1000 * s for n, s in sorted(self.target.items())},
             "target_ratio": {str(n): s / one for n, s in sorted(self.target.items())},
             "draft_feed_ms": {str(m): 1000 * s for m, s in sorted(self.draft_feed.items())},
-            "draft_step_ms": 1000 * self.draft_step,
-            "draft_step_ratio": self.draft_step / one,
+            "draft_step_ms": 1000 * step,
+            "draft_step_ratio": step / one,
         }
 
 
@@ -296,15 +366,37 @@ def measure_draft_seconds(draft, batch_size: int = 1, context: int = CONTEXT_TOK
     return feed, _time(step, device, repeats)
 
 
-_TARGET_SECONDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target -> {key: {n: seconds}}
-_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target -> {key: Eagle3Costs}
+@torch.no_grad()
+def measure_round_costs(target, draft, input_ids: torch.LongTensor, masked: bool = False, sizes=TARGET_SIZES,
+                        capacity: int | None = None) -> Eagle3Costs:
+    """
+    Time every forward a round is made of on the context of ``input_ids`` (the target's with
+    :func:`measure_target_seconds`, the draft's with :func:`measure_draft_seconds`); nothing of a live call is
+    touched. :func:`calibrate` and the oracle bench's bound use it; ``generate`` never does.
+
+    Args:
+        target (`PreTrainedModel`): the target.
+        draft (`Eagle3DraftModel`): the draft.
+        input_ids (`torch.LongTensor` [B, L]): the context (its batch size is the one timed).
+        masked (`bool`): time the target's forwards with the package loop's 4D mask (see
+            :func:`measure_target_seconds`).
+        sizes (`tuple[int]`): target forward sizes.
+        capacity (`int`, *optional*): the draft cache's columns for static steps (see :func:`measure_draft_seconds`).
+    """
+    device = next(target.parameters()).device
+    target_seconds = measure_target_seconds(target, input_ids.to(device), sizes, masked=masked)
+    capacity = static_capacity(max(input_ids.shape[1] + max(FEED_SIZES) + 1, capacity or 0)) \
+        if draft.static_steps() else None
+    feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0], context=input_ids.shape[1],
+                                       capacity=capacity)
+    return Eagle3Costs(target=target_seconds, draft_feed=feed, draft_step=step)
 
 
+# ------------------------------------------------------------------------------------------------------- the table
 def context_length(length: int) -> int:
     """
-    The cache length a call whose prompt has ``length`` tokens is timed on: the next power of two at or above it, at
-    least :data:`CONTEXT_TOKENS`. Forwards cost more on a longer cache (attention reads every entry), so a long prompt's
-    rounds are priced at its length; one measurement serves every prompt between half its length and its length.
+    The context bucket a call whose prompt has ``length`` tokens stores its learnt costs under: the next power of two
+    at or above it, at least :data:`CONTEXT_TOKENS`.
 
     Args:
         length (`int`): tokens of the call's prompt (padding included).
@@ -312,99 +404,270 @@ def context_length(length: int) -> int:
     return max(CONTEXT_TOKENS, 1 << (max(1, int(length)) - 1).bit_length())
 
 
-def one_per_context_length(prompts: list, length=lambda ids: ids.shape[1]) -> list:
-    """
-    The first of ``prompts`` at each :func:`context_length`: calls on these measure every cost that calls on all of
-    them use (how a benchmark warms up before it times).
+def batch_bucket(rows: int) -> int:
+    """The batch size a call of ``rows`` rows is priced at: the next power of two at or above it.
 
     Args:
-        prompts (`list`): prompts, e.g. `torch.LongTensor` [B, L] each.
-        length (`Callable`): a prompt's length in tokens (default: ``ids.shape[1]``).
+        rows (`int`): the call's rows.
     """
-    first = {}
-    for prompt in prompts:
-        first.setdefault(context_length(length(prompt)), prompt)
-    return list(first.values())
+    return 1 << (max(1, int(rows)) - 1).bit_length()
 
 
-def _context(input_ids: torch.LongTensor) -> torch.LongTensor:
-    """``input_ids`` repeated or cut to :func:`context_length` of its length: the context its call is timed on."""
-    length = context_length(input_ids.shape[1])
-    context = input_ids[:, :length]
-    if context.shape[1] < length:
-        context = context.repeat(1, math.ceil(length / context.shape[1]))[:, :length]
-    return context
+def _device_name(device: torch.device) -> str:
+    """The device as costs depend on it: the GPU's name, or the CPU's model and torch's thread count."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{device.type}:{model}:{torch.get_num_threads()}t"
 
 
-def timing_key(target, input_ids: torch.LongTensor) -> tuple:
+def _model_shape(model) -> str:
+    """What a model's forward cost depends on (not its weights): its type, sizes and parameter count."""
+    config = model.config
+    config = getattr(config, "text_config", None) or config
+    sizes = [getattr(config, name, None) for name in ("num_hidden_layers", "hidden_size", "intermediate_size",
+                                                      "num_attention_heads", "num_key_value_heads", "vocab_size")]
+    params = sum(p.numel() for p in model.parameters())
+    return f"{getattr(config, 'model_type', type(model).__name__)}{sizes}{params}"
+
+
+def cost_key(target, draft, rows: int, masked: bool) -> str:
     """
-    What a time measured for ``target`` on ``input_ids`` depends on, and is kept under: the device and dtype of the
-    target's first parameter, the batch size and the :func:`context_length` timed at.
-
-    Args:
-        target (`PreTrainedModel`): the target.
-        input_ids (`torch.LongTensor` [B, L]): the call's prompt.
-    """
-    param = next(target.parameters())
-    return str(param.device), str(param.dtype), input_ids.shape[0], context_length(input_ids.shape[1])
-
-
-def target_costs(target, input_ids: torch.LongTensor, sizes=TARGET_SIZES, refresh: bool = False,
-                 masked: bool = False) -> dict:
-    """
-    Seconds of a target forward of ``n`` new tokens for each ``n`` in ``sizes``, on a cache of
-    :func:`context_length` ``(L)`` entries: measured by :func:`measure_target_seconds` on the first use of each target /
-    device / dtype / batch size / context length / sizes / masking, then kept for the process (chains and trees share
-    it).
-
-    Args:
-        target (`PreTrainedModel`): the target.
-        input_ids (`torch.LongTensor` [B, L]): the call's prompt, the context timed on (repeated or cut to its
-            :func:`context_length`).
-        sizes (`tuple[int]`): numbers of new tokens.
-        refresh (`bool`): measure again even when known.
-        masked (`bool`): time the forwards with the 4D attention mask the package's loop gives them (see
-            :func:`measure_target_seconds`).
-    """
-    key = timing_key(target, input_ids) + (tuple(sizes), masked)
-    known = _TARGET_SECONDS.setdefault(target, {})
-    if key not in known or refresh:
-        device = next(target.parameters()).device
-        known[key] = measure_target_seconds(target, _context(input_ids).to(device), sizes, masked=masked)
-    return known[key]
-
-
-def measure_costs(target, draft, input_ids: torch.LongTensor, refresh: bool = False,
-                  capacity: int | None = None, masked: bool = False) -> Eagle3Costs:
-    """
-    The round costs of ``target`` with ``draft``: measured on the first use of each target / draft / device / dtype /
-    batch size / context length (and, for static drafting steps, draft cache capacity), then kept for the process (a
-    dozen target forwards and a few draft forwards on a cache of :func:`context_length` entries).
+    The key of a call's costs in the :class:`CostTable`: device, dtype, the target's and the draft's shapes (their
+    forwards' cost does not depend on their weights), how the draft's step runs (eager or compiled), the batch
+    bucket and the loop (the package's, whose target forwards carry a 4D mask, or Transformers').
 
     Args:
         target (`PreTrainedModel`): the target.
         draft (`Eagle3DraftModel`): the draft.
-        input_ids (`torch.LongTensor` [B, L]): the call's prompt, the context timed on (repeated or cut to its
-            :func:`context_length`).
-        refresh (`bool`): measure again even when known.
-        capacity (`int`, *optional*): the columns the call's draft cache holds. Static steps
-            (:meth:`~hf_eagle3.core.modeling_eagle3.Eagle3DraftModel.static_steps`) attend over their cache's whole
-            capacity (:func:`~hf_eagle3.core.draft_cache.static_capacity` of it), so they are timed on a cache of the
-            call's capacity bucket, which also spares compiling (or capturing) a step for a bucket the call never uses.
-        masked (`bool`): the target's forwards carry the 4D attention mask of the package's loop (see
-            :func:`measure_target_seconds`); Transformers' loop (batch-1 chains) leaves it to the model.
+        rows (`int`): the call's rows.
+        masked (`bool`): the package's loop.
     """
-    context = context_length(input_ids.shape[1])
-    static = static_capacity(max(context + max(FEED_SIZES) + 1, capacity or 0)) if draft.static_steps() else None
-    key = timing_key(target, input_ids) + (
-        str(draft.fc.weight.dtype), tuple(draft.fc.weight.shape),
-        tuple(draft.lm_head.weight.shape) if hasattr(draft, "lm_head") else None,
-        draft.step_call(chain_step),  # the step the rounds run: one object per compile config, or eager
-        static,  # static steps: the capacity bucket they are timed at
-        masked)
-    known = _COSTS.setdefault(target, {})
-    if key not in known or refresh:
-        target_seconds = target_costs(target, input_ids, refresh=refresh, masked=masked)
-        feed, step = measure_draft_seconds(draft, batch_size=input_ids.shape[0], context=context, capacity=static)
-        known[key] = Eagle3Costs(target=target_seconds, draft_feed=feed, draft_step=step)
-    return known[key]
+    param = next(target.parameters())
+    cache = _KEYS.setdefault(draft, {})
+    compiled = draft.generation_config.compile_config is not None if hasattr(
+        draft.generation_config, "compile_config") else False
+    local = (id(target), str(param.device), str(param.dtype), str(draft.fc.weight.dtype), compiled)
+    if local not in cache:  # the shapes cost a pass over the parameters: once per target and draft
+        cache[local] = (f"{_device_name(param.device)}|{param.dtype}|{_model_shape(target)}|{_model_shape(draft)}"
+                        f"|{draft.fc.weight.dtype}|{'compiled' if compiled else 'eager'}")
+    return f"{cache[local]}|rows{batch_bucket(rows)}|{'package' if masked else 'transformers'}"
+
+
+_KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> {(target, device, ...): key prefix}
+
+
+def default_cache_path() -> Path:
+    """Where the cost table is kept: ``$HF_EAGLE3_CACHE/costs.json``, else ``$XDG_CACHE_HOME/hf_eagle3/costs.json``,
+    else ``~/.cache/hf_eagle3/costs.json``."""
+    root = os.environ.get("HF_EAGLE3_CACHE")
+    if root:
+        return Path(root) / "costs.json"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_eagle3" / "costs.json"
+
+
+class CostTable:
+    r"""
+    Measured round costs by :func:`cost_key` and context bucket, kept for the process and persisted as JSON.
+
+    ``costs(key, context)`` gives a call its costs at its context length: per size, the values stored at the
+    buckets around it, interpolated linearly in the context length (extrapolated beyond; the one stored where there
+    is one). ``store`` puts a call's learnt costs back at its bucket. One table serves every thread of the process.
+
+    Args:
+        path (`str` or `Path`, *optional*): the JSON file (default :func:`default_cache_path`, read on first use);
+            ``None`` keeps the table in memory only.
+    """
+
+    VERSION = 1
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path is not None else None
+        self.entries: dict = {}  # key -> {context: {"target": {n: s}, "feed": {m: s}, "step": s}}
+        self._lock = threading.Lock()
+        self._warned = False
+        if self.path is not None and self.path.exists():
+            self.load(self.path)
+
+    def load(self, path: str | os.PathLike) -> "CostTable":
+        """
+        Merge a table written by :meth:`save` (a shipped or passed table: its entries replace those of the same
+        key and bucket).
+
+        Args:
+            path (`str` or `Path`): the JSON file.
+
+        Raises:
+            ValueError: the file is not a cost table of this version (naming the file and the fix).
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+            entries = data["entries"] if data.get("version") == self.VERSION else None
+        except (OSError, ValueError, KeyError, AttributeError) as error:
+            raise ValueError(f"{path} is not a readable hf-eagle3 cost table ({error}); delete it or run "
+                             "`hf-eagle3 calibrate` to write a new one.") from None
+        if entries is None:
+            raise ValueError(f"{path} holds a cost table of another version; delete it or run "
+                             "`hf-eagle3 calibrate` to write a new one.")
+        with self._lock:
+            for key, buckets in entries.items():
+                mine = self.entries.setdefault(key, {})
+                for context, costs in buckets.items():
+                    mine[int(context)] = {"target": {int(n): s for n, s in costs["target"].items()},
+                                          "feed": {int(m): s for m, s in costs["feed"].items()},
+                                          "step": costs.get("step")}
+        return self
+
+    def save(self, path: str | os.PathLike | None = None) -> Path | None:
+        """
+        Write the table (atomically: a reader never sees half a file). A table that cannot be written warns once
+        and stays in memory.
+
+        Args:
+            path (`str` or `Path`, *optional*): where (default: the table's own path; ``None`` there: nothing).
+        """
+        path = Path(path) if path is not None else self.path
+        if path is None:
+            return None
+        with self._lock:
+            data = {"version": self.VERSION, "entries": {
+                key: {str(c): {"target": {str(n): s for n, s in sorted(v["target"].items())},
+                               "feed": {str(m): s for m, s in sorted(v["feed"].items())}, "step": v["step"]}
+                      for c, v in sorted(buckets.items())} for key, buckets in sorted(self.entries.items())}}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+            temporary.write_text(json.dumps(data, indent=1))
+            os.replace(temporary, path)
+        except OSError as error:
+            if not self._warned:
+                warnings.warn(f"hf-eagle3 could not write its cost table to {path} ({error}); costs stay in memory "
+                              "for this process. Set HF_EAGLE3_CACHE to a writable directory.", stacklevel=2)
+                self._warned = True
+            return None
+        return path
+
+    def reset(self, remove_file: bool = True) -> None:
+        """
+        Forget every cost (the next calls learn them again from their rounds, or :func:`calibrate` times them).
+
+        Args:
+            remove_file (`bool`): also delete the table's file.
+        """
+        with self._lock:
+            self.entries.clear()
+        if remove_file and self.path is not None and self.path.exists():
+            self.path.unlink()
+
+    def costs(self, key: str, context: int) -> Eagle3Costs:
+        """
+        The costs stored under ``key``, at a context of ``context`` tokens (a new object: the caller may learn on it).
+
+        Args:
+            key (`str`): see :func:`cost_key`.
+            context (`int`): tokens in the cache.
+        """
+        with self._lock:
+            buckets = self.entries.get(key, {})
+            target = _across_contexts([(c, v["target"]) for c, v in buckets.items()], context)
+            feed = _across_contexts([(c, v["feed"]) for c, v in buckets.items()], context)
+            step = _across_contexts([(c, {1: v["step"]}) for c, v in buckets.items() if v["step"]], context)
+        return Eagle3Costs(target=target, draft_feed=feed, draft_step=step.get(1))
+
+    def store(self, key: str, context: int, costs: Eagle3Costs) -> None:
+        """
+        Keep ``costs`` under ``key`` at the bucket of ``context`` (:func:`context_length`), replacing the sizes they
+        measure.
+
+        Args:
+            key (`str`): see :func:`cost_key`.
+            context (`int`): tokens in the cache the costs were measured on.
+            costs (`Eagle3Costs`): the costs.
+        """
+        with self._lock:
+            entry = self.entries.setdefault(key, {}).setdefault(
+                context_length(context), {"target": {}, "feed": {}, "step": None})
+            entry["target"].update(costs.target)
+            entry["feed"].update(costs.draft_feed)
+            if costs.draft_step is not None:
+                entry["step"] = costs.draft_step
+
+
+def _across_contexts(tables: list, context: int) -> dict:
+    """Per size, the value at ``context`` from ``[(context, {size: value})]``: linear in the context between the two
+    nearest stored contexts (extrapolated beyond them, never below the smallest stored value)."""
+    points: dict = {}
+    for at, table in tables:
+        for size, value in table.items():
+            points.setdefault(size, {})[at] = value
+    out = {}
+    for size, by_context in points.items():
+        out[size] = max(interpolate(by_context, context), min(by_context.values()))
+    return out
+
+
+_TABLE: list = []
+_TABLE_LOCK = threading.Lock()
+
+
+def cost_table() -> CostTable:
+    """The process's :class:`CostTable`, read from :func:`default_cache_path` on first use."""
+    with _TABLE_LOCK:
+        if not _TABLE:
+            try:
+                _TABLE.append(CostTable(default_cache_path()))
+            except ValueError as error:  # an unreadable file: warn, start empty, overwrite it on the next save
+                warnings.warn(str(error), stacklevel=2)
+                table = CostTable(None)
+                table.path = default_cache_path()
+                _TABLE.append(table)
+        return _TABLE[0]
+
+
+def calibrate(target, draft, batch_sizes=(1,), contexts=CALIBRATION_CONTEXTS, loops=("transformers", "package"),
+              save: bool = True, progress=None) -> dict:
+    """
+    Time every forward a round is made of, ahead of time, and keep the costs in the process's :class:`CostTable`
+    (persisted unless ``save=False``): then no call of this target and draft (on this device, in this dtype, at these
+    batch buckets) starts without its costs. Calls also learn them from their own rounds; calibrating spares the
+    first calls that and covers sizes they never try.
+
+    Args:
+        target (`PreTrainedModel`): the target, on its device and in its dtype.
+        draft (`Eagle3DraftModel`): the draft, likewise.
+        batch_sizes (`tuple[int]`): rows to calibrate for (one entry per :func:`batch_bucket`).
+        contexts (`tuple[int]`): cache lengths to time at (costs at other lengths are interpolated between them).
+        loops (`tuple[str]`): ``"transformers"`` (batch-1 chains) and/or ``"package"`` (trees and batches, whose
+            target forwards carry a 4D mask).
+        save (`bool`): write the table to its file.
+        progress (`Callable[[str], None]`, *optional*): called with a line per entry timed.
+
+    Returns:
+        `dict`: ``{key: {context: Eagle3Costs.to_dict()}}`` of what was timed.
+    """
+    table, out = cost_table(), {}
+    device = next(target.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    vocab = min(getattr(target.config, "vocab_size", None) or draft.config.vocab_size, draft.config.vocab_size)
+    for rows in batch_sizes:
+        for loop in loops:
+            masked = loop == "package"
+            if not masked and rows > 1:
+                continue  # Transformers' loop runs batch-1 chains only
+            key = cost_key(target, draft, rows, masked)
+            for context in contexts:
+                ids = torch.randint(0, vocab, (batch_bucket(rows), int(context)), generator=generator).to(device)
+                costs = measure_round_costs(target, draft, ids, masked=masked)
+                table.store(key, int(context), costs)
+                out.setdefault(key, {})[int(context)] = costs.to_dict()
+                if progress is not None:
+                    progress(f"rows {batch_bucket(rows)}, {loop} loop, context {context}: one-token step "
+                             f"{1000 * costs.target_seconds(1):.1f} ms, 8 tokens {1000 * costs.target_seconds(8):.1f} ms")
+    if save:
+        table.save()
+    return out

@@ -32,9 +32,8 @@ import torch
 from .acceptance import accept_row, read_back, round_planes
 from .batch_drafter import Eagle3BatchTreeDrafter, take_positions
 from .batch_tail import BatchRows
-from .cost_model import Stopwatch, measure_costs, target_costs, timing_key
-from .draft_length_policy import Eagle3DraftLengthPolicy
-from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
+from .budget import RoundOutcome, RoundPlan, budget_for
+from .cost_model import Stopwatch
 from .stats import Eagle3Stats, publish_stats
 from .stopping import HostStopping
 from .target_cache import (
@@ -50,10 +49,8 @@ from .target_cache import (
 )
 from .transformers_compat import eos_token_ids
 from .tree_drafter import DraftTree, candidate_ranking
-from .tree_policy import AUTO_SIZES, TreeSizeChooser, auto_most_nodes
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
-MASKED = True  # every target forward of the loop carries a 4D attention mask: its costs are timed with one
 
 
 @dataclass(eq=False)
@@ -66,60 +63,6 @@ class _Row:
     squares: int = 0  # over its rounds with a draft: the accepted count squared, summed (their spread)
     scores: list = field(default_factory=list)  # per generated token: processed scores [1, V]
     logits: list = field(default_factory=list)  # per generated token: raw logits [1, V]
-
-
-def _round_shape(call, draft) -> dict:
-    """The drafting shape of the rounds: ``{"depth", "top_k", "total", "auto", "tree_auto", "most"}`` (a chain is
-    ``top_k = 1``; with ``"auto"`` the depth is the longest chain and a policy picks each round's; with
-    ``"tree_auto"`` a :class:`TreeSizeChooser` picks each round's ``total``, at most ``most``).
-
-    Raises:
-        ValueError: for chain settings batches do not implement (``"heuristic"`` schedules, a confidence threshold),
-            before any work, naming what to use.
-    """
-    if call.tree is not None:
-        depth, top_k, total = call.tree["depth"], call.tree["top_k"], call.tree["total_tokens"]
-        if total == "auto":
-            most = auto_most_nodes(depth, top_k)
-            return {"depth": depth, "top_k": top_k, "total": None, "auto": False,  # the chooser's first_nodes
-                    "tree_auto": True, "most": most}
-        return {"depth": min(depth, total), "top_k": min(top_k, total), "total": total, "auto": False,
-                "tree_auto": False, "most": total}
-    settings = resolve_draft_settings(draft.generation_config, call.settings)
-    schedule = settings.get("num_assistant_tokens_schedule", "constant")
-    if schedule in ("heuristic", "heuristic_transient"):
-        raise ValueError(
-            f"num_assistant_tokens_schedule={schedule!r} (one sequence's draft length, adapted to its acceptance) is "
-            "not implemented for batches: pass num_assistant_tokens_schedule='auto' (one length per round for the "
-            "batch, from measured costs and acceptance) or 'constant', or generate one row at a time."
-        )
-    if float(settings.get("assistant_confidence_threshold") or 0.0) > 0:
-        raise ValueError(
-            f"assistant_confidence_threshold={settings['assistant_confidence_threshold']} is not implemented for "
-            "batches: pass assistant_confidence_threshold=0 (or num_assistant_tokens_schedule='auto', which chooses "
-            "the draft length from the acceptance seen), or generate one row at a time."
-        )
-    k = int(settings.get("num_assistant_tokens", DEFAULT_DRAFT_LENGTH))
-    return {"depth": k, "top_k": 1, "total": k, "auto": settings.get("num_assistant_tokens_schedule") == "auto",
-            "tree_auto": False, "most": k}
-
-
-def batch_policy(model, draft, input_ids: torch.LongTensor, carried=None,
-                 capacity: int | None = None) -> Eagle3DraftLengthPolicy:
-    """
-    The ``"auto"`` draft-length policy of a batched call: one length per round for every row, chosen under the
-    costs of this batch (the target's forwards and the draft's, timed at this batch size).
-
-    Args:
-        model: the target.
-        draft: the draft.
-        input_ids (`torch.LongTensor` [B, L]): the batch.
-        carried (`dict`, *optional*): the acceptance carried from the draft's previous call.
-        capacity (`int`, *optional*): the columns of the call's draft cache (see
-            :func:`~hf_eagle3.core.cost_model.measure_costs`).
-    """
-    costs = measure_costs(model, draft, input_ids, capacity=capacity, masked=MASKED)
-    return Eagle3DraftLengthPolicy.from_carried(costs, carried)
 
 
 def check_rows(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> list:
@@ -231,18 +174,18 @@ def eagle3_decoding(
 
 @dataclass(eq=False)
 class _Round:
-    """What a round's drafting step decided, and (for ``"auto"``) its marks on the device's timeline
+    """What a round's drafting step decided, and (for a timed budget) its marks on the device's timeline
     (:class:`~hf_eagle3.core.cost_model.Stopwatch`), read after the round's read-back."""
 
     trees: list  # one DraftTree per unfinished row
-    drafted: int  # the draft length asked for (0: a plain target step, the feed waits)
+    plan: RoundPlan  # the budget's plan (a plain one: the target's own step, the feed waits)
     feed: int  # mean verified positions per row waiting for the draft at the start of the round
     levels: int = 0  # tree levels expanded
     started: object = None  # mark at the start of drafting
     fed_at: object = None  # mark after the draft's feed
     drafted_at: object = None  # mark after the trees' selection
     ended: object = None  # mark after the verification, just before the read-back
-    ranking: object = None  # "tree_auto": candidate_ranking's probabilities and frontier masses (device, then host)
+    ranking: object = None  # a budget that needs it: candidate_ranking's probabilities and frontier masses (device, then host)
 
 
 class _Loop:
@@ -272,35 +215,22 @@ class _Loop:
                  model_kwargs, streamer=None):
         self.model, self.model_kwargs, self.input_ids, self.streamer = model, model_kwargs, input_ids, streamer
         self.draft_model, self.capture = call.draft, call.capture
-        self.shape = _round_shape(call, self.draft_model)
+        self.budget = budget = budget_for(call, model, input_ids)  # how much each round drafts
         self.single = input_ids.shape[0] == 1  # one row: no holes, and sliding layers may pass their window
         name = "EAGLE-3 tree decoding" if self.single else "Batched EAGLE-3 decoding"
         self.cache_key, self.cache = decoding_cache(model_kwargs, generation_config, name)
         self.attention_mask = model_kwargs.get("attention_mask")
-        self.pads = check_rows(input_ids, self.attention_mask, generation_config, self.cache, self.shape["most"] + 1)
+        self.pads = check_rows(input_ids, self.attention_mask, generation_config, self.cache, budget.most + 1)
         if self.single and hasattr(self.cache, "activate_past_recording"):
             self.cache.activate_past_recording()  # sliding layers keep what a rollback needs until the gather
         self.window = sliding_window(self.cache)
-        shape = self.shape  # the draft cache holds the longest row and one round's tree
-        capacity = generation_config.max_length + shape["depth"] * shape["top_k"] + shape["depth"] + 2
-        self.drafter = drafter_class(self.draft_model, input_ids.shape[0], capacity)  # before any timing forward
-        self.run = _Run(self.draft_model)
+        # the draft cache holds the longest row and one round's tree
+        capacity = generation_config.max_length + budget.depth * budget.top_k + budget.depth + 2
+        self.drafter = drafter_class(self.draft_model, input_ids.shape[0], capacity)
+        self.run = _Run(self.draft_model, budget)
         call.generator = self.run
-        if self.shape["auto"]:
-            self.run.policy = batch_policy(model, self.draft_model, input_ids,
-                                           getattr(self.draft_model, "_draft_length_state", None), capacity)
-            self.capture.clear()  # the timing forwards (once per target and batch size) went through the hooks
-        self.chooser = None  # tree_total_tokens="auto": one size per round for the batch
-        if self.shape["tree_auto"]:
-            key = timing_key(model, input_ids)  # what the chooser's measures depend on
-            self.chooser = TreeSizeChooser.from_carried(target_costs(model, input_ids, sizes=AUTO_SIZES, masked=MASKED),
-                                                        getattr(self.draft_model, "_tree_size_state", {}).get(key))
-            self.run.chooser = (key, self.chooser)
-            self.capture.clear()
-            self.shape["total"] = self.chooser.first_nodes(self.shape["most"])
-        self.stopwatch = Stopwatch(input_ids.device) if self.shape["auto"] or self.shape["tree_auto"] else None
-        self.round_from = None  # "auto": where the next round's time starts (the previous round's end mark)
-        self.next_depth = self.shape["depth"]  # "tree_auto": the levels of the next round's trees
+        self.stopwatch = Stopwatch(input_ids.device) if budget.timed else None
+        self.round_from = None  # a timed budget: where the next round's time starts (the previous round's end mark)
         self.stopping_criteria = stopping_criteria
         self.host_stopping = HostStopping.of(stopping_criteria)
         self.generation_config = generation_config
@@ -310,7 +240,7 @@ class _Loop:
         self.processors = logits_processor if logits_processor is not None and len(logits_processor) > 0 else None
         self.device, self.dtype = input_ids.device, model.dtype
         self.rows, self.finished = [], [None] * input_ids.shape[0]
-        self.prior = getattr(self.draft_model, "_rows_spread", None)  # how far rows differed in earlier calls
+        self.prior = self.draft_model.drafting_memory.rows_spread  # how far rows differed in earlier calls
         self.valid = self.positions = None
         self.batch = None  # the unfinished rows as the "auto" choices weigh them (`_batch`), set by `retire`
         self.masked = False  # one row: whether its prompt has masked positions
@@ -323,13 +253,13 @@ class _Loop:
         return features
 
     def _mark(self):
-        """A mark on the device's timeline for ``"auto"`` (``None`` otherwise)."""
+        """A mark on the device's timeline for a timed budget (``None`` otherwise)."""
         return self.stopwatch.mark() if self.stopwatch is not None else None
 
     def prefill(self) -> None:
         """The padded prompts in one forward: each row's first token, and its prompt's features for its draft."""
         input_ids, processors = self.input_ids, self.processors
-        last = prefill(self.model, input_ids, self.model_kwargs, self.cache, self.max_length + self.shape["most"] + 1)
+        last = prefill(self.model, input_ids, self.model_kwargs, self.cache, self.max_length + self.budget.most + 1)
         self.cache.crop(0)  # sliding layers back to their window
         scores = processors(input_ids, last) if processors is not None else last
         first = torch.multinomial(scores.softmax(-1), 1)[:, 0] if self.do_sample else scores.argmax(-1)
@@ -366,29 +296,21 @@ class _Loop:
             `_Round`: one `DraftTree` per row (lone roots when the round drafts nothing), the draft length asked
             for, the mean positions fed, and the marks of ``"auto"``.
         """
-        shape, policy, chooser, drafter = self.shape, self.run.policy, self.chooser, self.drafter
+        drafter, batch = self.drafter, self.batch
         feed = round(sum(drafter.num_pending(b) for b in range(len(self.rows))) / len(self.rows))
-        batch = self.batch
-        if policy is not None:
-            k = policy.choose(shape["depth"], feed=feed, batch=batch)
-            shape = dict(shape, depth=k, total=k)
-        one = _Round(None, 0, feed, started=self._mark())
-        depth = min(shape["depth"], max(batch.remaining) - 1)
-        if chooser is not None and depth >= 1 and not chooser.draft_this_round(batch, depth, feed):
-            depth = 0  # a plain step for the batch; the feed waits
-        elif chooser is not None:
-            depth = min(depth, self.next_depth)
+        one = _Round(None, None, feed, started=self._mark())
+        one.plan = plan = self.budget.plan(batch, feed, room=max(batch.remaining) - 1)
         roots = torch.tensor([row.ids[-1] for row in self.rows], dtype=torch.long, device=drafter.device)
-        if depth < 1:
+        if not plan.drafts:  # a plain step for the batch; the feed waits
             one.trees = [DraftTree.root_only(roots[b : b + 1]) for b in range(roots.shape[0])]
+            one.drafted_at = one.started
             return one
-        one.drafted = shape["depth"]
         drafter.feed()
         one.fed_at = self._mark()
-        candidates = drafter.expand(depth, shape["top_k"])
+        candidates = drafter.expand(plan.depth, plan.top_k)
         one.levels = candidates[4]
-        one.trees = drafter.select(candidates, roots, shape["total"])
-        if chooser is not None:
+        one.trees = drafter.select(candidates, roots, plan.total)
+        if self.budget.needs_ranking:
             one.ranking = candidate_ranking(candidates)
         one.drafted_at = self._mark()
         return one
@@ -518,28 +440,21 @@ class _Loop:
         self.batch = self._batch()  # the rows as this round left them, for the next round's choices
 
     def observe(self, one: _Round, depths: list, kept: list) -> None:
-        """For "auto": the round's acceptance (every row: its tree's depth and the nodes kept) and time; with
-        ``tree_total_tokens="auto"``, the size of the next round's trees. The marks were all passed by the
-        read-back; a round's time runs from the previous round's end mark to its own (so the read-back, the walk
-        and the commit are counted once)."""
-        policy, chooser, watch = self.run.policy, self.chooser, self.stopwatch
+        """For a timed budget: the round's outcome (every row: its tree's depth and the nodes kept; the round's
+        times). The marks were all passed by the read-back; a round's time runs from the previous round's end mark to
+        its own (so the read-back, the walk and the commit are counted once)."""
+        watch = self.stopwatch
         if watch is None:
             return
         seconds = watch.seconds(self.round_from if self.round_from is not None else one.started, one.ended)
         self.round_from = one.ended
-        if policy is not None:
-            policy.observe_rows([(depth, len(path) - 1) for depth, path in zip(depths, kept)])
-            policy.observe_time(one.drafted, seconds, feed=one.feed)
-        if chooser is None:
-            return
-        if not one.drafted:
-            chooser.update_plain(seconds)
-            return
-        nodes, self.next_depth = chooser.observe_tree_round(
-            one.ranking, one.trees[0].tokens.shape[0] - 1, [len(path) - 1 for path in kept],
-            watch.seconds(one.started, one.drafted_at), max(1, one.levels), seconds, self.shape["depth"],
-            feed_seconds=watch.seconds(one.started, one.fed_at), fed=one.feed, batch=self.batch)
-        self.shape = dict(self.shape, total=nodes)
+        drafts = one.plan.drafts
+        self.budget.observe(RoundOutcome(
+            one.plan, depths, [len(path) - 1 for path in kept], one.feed, one.trees[0].tokens.shape[0], seconds,
+            verify_seconds=watch.seconds(one.drafted_at, one.ended),
+            draft_seconds=watch.seconds(one.started, one.drafted_at) if drafts else 0.0,
+            feed_seconds=watch.seconds(one.started, one.fed_at) if drafts else 0.0,
+            levels=one.levels, ranking=one.ranking, batch=self.batch))
 
     def output(self, output_class):
         """What ``generate`` returns: the rows as plain batched ``generate`` lays them out, or ``output_class``
@@ -606,13 +521,12 @@ class _Run:
     """Per-call state published at the end of ``generate`` (``finish`` is called by the generate hook): the summed
     statistics as ``draft.last_stats``, one per row as ``draft.last_batch_stats``."""
 
-    def __init__(self, draft):
+    def __init__(self, draft, budget=None):
         self.draft = draft
         self.rows = []
-        self.policy = None  # the "auto" draft-length policy, when the call uses it
-        self.chooser = None  # (key, TreeSizeChooser) of a tree_total_tokens="auto" call
+        self.budget = budget  # how much each round drafted (it leaves the next call what it learnt)
         self.spread = None  # how far the call's rows differed (`RowEstimate.spread`), for a batch
 
     def finish(self) -> Eagle3Stats:
         """Publish the statistics on the draft and return their sum."""
-        return publish_stats(self.draft, self.rows, self.policy, self.chooser, self.spread)
+        return publish_stats(self.draft, self.rows, self.budget, self.spread)

@@ -21,6 +21,7 @@ from .config_layouts import config_dict_to_native
 from .configuration_eagle3 import Eagle3Config, read_config_file
 from .draft_cache import Eagle3KVCache
 from .draft_layers import Eagle3DecoderLayer, Eagle3RMSNorm
+from .drafting_memory import DraftingMemory
 from .rope import rope_attention_scaling, rope_inv_freq
 from .settings import SAVED_DRAFT_SETTINGS
 
@@ -113,7 +114,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     After each ``generate`` call, :attr:`last_stats` holds that call's acceptance statistics (summed over the rows
     of a batch), :attr:`last_batch_stats` one per row, and :attr:`cumulative_stats` the sum over calls since
-    :meth:`reset_stats`.
+    :meth:`reset_stats`; :attr:`drafting_memory` (:class:`~hf_eagle3.core.drafting_memory.DraftingMemory`) what the call's
+    budget leaves to the next call.
 
     Args:
         config (`Eagle3Config`): the draft's configuration.
@@ -147,6 +149,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self.last_stats = None
         self.last_batch_stats = None
         self.cumulative_stats = None
+        self.drafting_memory = DraftingMemory()  # what one call's budget leaves to the next
         self.post_init()
         self.generation_config = GenerationConfig(
             num_assistant_tokens=5, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0

@@ -116,8 +116,13 @@ class Eagle3Stats:
         }
 
     def report(self) -> str:
-        """The report of vLLM's EAGLE example: mean acceptance length, then acceptance at each token."""
-        lines = ["-" * 50, f"mean acceptance length: {self.mean_acceptance_length:.2f}", "-" * 50]
+        """The report of vLLM's EAGLE example (mean acceptance length, then acceptance at each token), after a line
+        saying how many rounds drafted: the acceptance is that of the rounds that did, and a budget that finds drafting
+        does not pay on the machine at hand drafts in few rounds (see :meth:`rounds_summary`)."""
+        rounds = self.num_drafts + self.num_rounds_without_draft
+        lines = ["-" * 50, f"rounds with a draft: {self.num_drafts} of {rounds} "
+                 f"(and {self.num_rounds_without_draft} plain target steps: drafting would not pay, or had no room)",
+                 f"mean acceptance length: {self.mean_acceptance_length:.2f} (over the rounds with a draft)", "-" * 50]
         lines += [f"acceptance at token {i}: {r:.2f}" for i, r in enumerate(self.acceptance_rate_per_position)]
         return "\n".join(lines)
 
@@ -127,19 +132,16 @@ class Eagle3Stats:
                 f"{self.num_rounds_without_draft}")
 
 
-def publish_stats(draft, rows: list, policy=None, chooser=None, spread: float | None = None) -> Eagle3Stats:
+def publish_stats(draft, rows: list, budget=None, spread: float | None = None) -> Eagle3Stats:
     """
     The end of a ``generate`` call, for every decoding path: publish the statistics on the draft (``last_stats``, the
-    sum over the rows; ``last_batch_stats``, one per row; ``cumulative_stats``) and carry the ``"auto"`` draft-length
-    policy's acceptance estimate, the tree-size chooser's state at the call's batch size, and how far a batch's rows
-    differed, to the draft's next call.
+    sum over the rows; ``last_batch_stats``, one per row; ``cumulative_stats``) and leave the draft's
+    ``drafting_memory`` what the call's budget learnt and how far a batch's rows differed.
 
     Args:
         draft (`Eagle3DraftModel`): the draft.
         rows (`list[Eagle3Stats]`): one per sequence (one for batch 1).
-        policy (`Eagle3DraftLengthPolicy`, *optional*): the call's ``"auto"`` policy.
-        chooser (`tuple`, *optional*): ``(key, TreeSizeChooser)`` of a ``tree_total_tokens="auto"`` call, the key
-            naming what its measures depend on (:func:`~hf_eagle3.core.cost_model.timing_key`).
+        budget (`Budget`, *optional*): the call's budget (:mod:`~hf_eagle3.core.budget`).
         spread (`float`, *optional*): a batched call's variance of its rows' shares of the accepted tokens
             (:class:`~hf_eagle3.core.batch_tail.RowEstimate`), the next batched call's prior.
 
@@ -149,12 +151,9 @@ def publish_stats(draft, rows: list, policy=None, chooser=None, spread: float | 
     total = Eagle3Stats()
     for stats in rows:
         total = total + stats
-    if policy is not None:
-        draft._draft_length_state = policy.carried()
-    if chooser is not None:
-        key, tree_sizes = chooser
-        draft._tree_size_state = {**getattr(draft, "_tree_size_state", {}), key: tree_sizes.carried()}
+    if budget is not None:
+        budget.finish(draft.drafting_memory)
     if spread is not None:
-        draft._rows_spread = spread
+        draft.drafting_memory.rows_spread = spread
     draft._record_stats(total, rows=rows)
     return total

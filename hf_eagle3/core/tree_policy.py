@@ -55,7 +55,7 @@ class TreeSizeChooser:
     """
 
     def __init__(self, costs: dict):
-        self.costs = dict(costs)
+        self.costs = costs  # the call's target costs, which its rounds keep teaching (not a copy)
         self.accepted = 0.0
         self.predicted = 0.0
         self.draft_seconds = 0.0

@@ -1,0 +1,341 @@
+"""How much to draft: one budget, asked the same question by both decoding loops.
+
+Glossary:
+
+- **plan** (:class:`RoundPlan`): the shape of the next round: ``depth`` levels, ``top_k`` children per expanded node,
+  ``total`` drafted nodes verified (a chain is a tree with one child per node; ``total = 0``: a plain round, the
+  target's own step, nothing drafted).
+- **feed**: verified positions the draft has not consumed yet (one forward consumes them when the next draft starts).
+- **outcome** (:class:`RoundOutcome`): what a round brought (accepted tokens per row) and took (its timings).
+- **costs**: the seconds of the forwards a round is made of (:class:`~hf_eagle3.core.cost_model.Eagle3Costs`), from
+  the process's :class:`~hf_eagle3.core.cost_model.CostTable` (calibrated ahead of time, or learnt by earlier calls
+  from their rounds) and taught by every round of the call; no call times anything beyond its own rounds.
+- **probe**: a round drafted to learn, where the current estimate says not to draft.
+- **memory** (:class:`~hf_eagle3.core.drafting_memory.DraftingMemory`): what one call leaves to the next call of the same draft (acceptance
+  estimates, the rows' spread), the one object the draft holds across calls (``draft.drafting_memory``).
+
+A budget answers :meth:`Budget.plan` before each round and learns from :meth:`Budget.observe` after it;
+:func:`budget_for` builds the one a call's settings ask for: :class:`FixedBudget` (a draft length or tree given),
+:class:`ChainBudget` (``num_assistant_tokens_schedule="auto"``) or :class:`TreeBudget` (``tree_total_tokens="auto"``).
+Chains and trees decide whether to draft by one rule: draft when the planned round's expected tokens per second
+(tokens by which the batch nears its end) are at least a plain step's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .batch_tail import ONE_ROW, BatchRows
+from .cost_model import Eagle3Costs, cost_key, cost_table
+from .drafting_memory import DraftingMemory
+from .draft_length_policy import Eagle3DraftLengthPolicy
+from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
+from .tree_policy import TreeSizeChooser, auto_most_nodes
+
+
+class RoundPlan(NamedTuple):
+    """The shape of one round (see the module's glossary).
+
+    Attributes:
+        depth (`int`): levels drafted (a chain: its length).
+        top_k (`int`): children per expanded node (1: a chain).
+        total (`int`): drafted nodes verified per row (0: a plain round).
+    """
+
+    depth: int
+    top_k: int
+    total: int
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the round drafts anything."""
+        return self.total > 0 and self.depth > 0
+
+
+PLAIN = RoundPlan(0, 1, 0)
+
+
+@dataclass
+class RoundOutcome:
+    """What a finished round brought and took, as both loops hand it to :meth:`Budget.observe`.
+
+    Args:
+        plan (`RoundPlan`): the round's plan.
+        drafted (`list[int]`): per row, the levels its draft reached, as far as usable (0: none).
+        accepted (`list[int]`): per row, drafted tokens the target accepted.
+        feed (`int`): positions per row (mean) the draft consumed at the start of the round (0: no feed).
+        nodes (`int`): tokens per row the target's forward verified (the root included).
+        seconds (`float`): the round's wall time (drafting, verification, bookkeeping).
+        verify_seconds (`float`): the target's forward (and what the loop does with its logits before the read-back).
+        draft_seconds (`float`): drafting, the feed included.
+        feed_seconds (`float`): the feed.
+        levels (`int`): draft forwards, the feed included (the levels drafted).
+        ranking (*optional*): ``"tree_auto"``: the read-back candidates' ranking
+            (``tree_drafter.candidate_ranking``).
+        batch (`BatchRows`): the rows the next round drafts for.
+    """
+
+    plan: RoundPlan
+    drafted: list
+    accepted: list
+    feed: int
+    nodes: int
+    seconds: float
+    verify_seconds: float
+    draft_seconds: float = 0.0
+    feed_seconds: float = 0.0
+    levels: int = 0
+    ranking: object = None
+    batch: BatchRows = ONE_ROW
+
+
+class Budget:
+    """The protocol: :meth:`plan` before a round, :meth:`observe` after it, :meth:`finish` at the end of the call.
+
+    Attributes:
+        depth (`int`): the most levels a round drafts.
+        top_k (`int`): children per expanded node.
+        most (`int`): the most drafted nodes a round verifies.
+        timed (`bool`): whether the loop times its rounds for :meth:`observe`.
+        needs_ranking (`bool`): whether :meth:`observe` reads the drafted candidates' ranking.
+    """
+
+    depth: int = 0
+    top_k: int = 1
+    most: int = 0
+    timed: bool = False
+    needs_ranking: bool = False
+
+    def plan(self, batch: BatchRows = ONE_ROW, feed: int = 1, room: int | None = None) -> RoundPlan:
+        """
+        The next round's shape.
+
+        Args:
+            batch (`BatchRows`): the unfinished rows.
+            feed (`int`): positions per row (mean) waiting for the draft.
+            room (`int`, *optional*): the most levels the roomiest row can still use.
+        """
+        raise NotImplementedError
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        """
+        Learn from a finished round (only called when :attr:`timed`).
+
+        Args:
+            outcome (`RoundOutcome`): the round.
+        """
+
+    def finish(self, memory: DraftingMemory) -> None:
+        """
+        The end of the call: leave what the next call starts from.
+
+        Args:
+            memory (`DraftingMemory`): the draft's memory.
+        """
+
+
+class FixedBudget(Budget):
+    """The shape the user gave (``num_assistant_tokens``, or a tree's ``tree_total_tokens``), every round, no
+    deeper than the rows can use.
+
+    Args:
+        depth (`int`): levels (a chain: its length).
+        top_k (`int`): children per expanded node.
+        total (`int`): drafted nodes verified.
+    """
+
+    def __init__(self, depth: int, top_k: int = 1, total: int | None = None):
+        total = depth if total is None else total
+        self.depth, self.top_k, self.total = min(depth, total), min(top_k, total), total
+        self.most = total
+
+    def plan(self, batch: BatchRows = ONE_ROW, feed: int = 1, room: int | None = None) -> RoundPlan:
+        """The given shape, its depth cut to ``room`` (see :meth:`Budget.plan`)."""
+        depth = self.depth if room is None else min(self.depth, room)
+        return RoundPlan(depth, self.top_k, self.total) if depth >= 1 else PLAIN
+
+
+class _LearntCosts(Budget):
+    """A budget that prices rounds with the call's costs, teaches them each round and stores them at the end.
+
+    Args:
+        costs (`Eagle3Costs`): the call's costs (from the table; learnt on).
+        key (`str`): their :func:`~hf_eagle3.core.cost_model.cost_key`.
+        context (`int`): the call's prompt length, the bucket its costs are stored under.
+    """
+
+    timed = True
+
+    def __init__(self, costs: Eagle3Costs, key: str, context: int):
+        self.costs, self.key, self.context = costs, key, context
+
+    def learn(self, outcome: RoundOutcome, steps: bool = True) -> None:
+        """
+        Teach the costs the round's forwards (see :meth:`~hf_eagle3.core.cost_model.Eagle3Costs.learn`).
+
+        Args:
+            outcome (`RoundOutcome`): the round.
+            steps (`bool`): also the draft's one-token step (a chain's; a tree's levels are wider).
+        """
+        drafts = outcome.plan.drafts
+        self.costs.learn(outcome.nodes, outcome.verify_seconds, fed=outcome.feed if drafts else 0,
+                         feed_seconds=outcome.feed_seconds,
+                         steps=max(outcome.levels - 1, 0) if drafts and steps else 0,
+                         step_seconds=outcome.draft_seconds - outcome.feed_seconds)
+
+    def store(self) -> None:
+        """Put the call's learnt costs back in the process's table and its file."""
+        if self.costs.ready:
+            table = cost_table()
+            table.store(self.key, self.context, self.costs)
+            table.save()
+
+
+class ChainBudget(_LearntCosts):
+    """``num_assistant_tokens_schedule="auto"``: each round the chain length, 0 included, with the most expected
+    tokens per second (:class:`~hf_eagle3.core.draft_length_policy.Eagle3DraftLengthPolicy`). A call whose costs
+    know no plain step yet runs one first (the target's own step, nothing lost), and learns every other cost from
+    the rounds that need it.
+
+    Args:
+        policy (`Eagle3DraftLengthPolicy`): the decision, on ``costs``.
+        costs, key, context: see :class:`_LearntCosts`.
+        most (`int`): the longest chain.
+    """
+
+    def __init__(self, policy: Eagle3DraftLengthPolicy, costs: Eagle3Costs, key: str, context: int, most: int):
+        super().__init__(costs, key, context)
+        self.policy, self.depth, self.most = policy, most, most
+
+    def plan(self, batch: BatchRows = ONE_ROW, feed: int = 1, room: int | None = None) -> RoundPlan:
+        """See :meth:`Budget.plan`."""
+        most = self.most if room is None else min(self.most, room)
+        if most < 1 or not self.costs.ready:
+            return PLAIN
+        k = self.policy.choose(most, feed=feed, batch=batch)
+        return RoundPlan(k, 1, k) if k > 0 else PLAIN
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        """See :meth:`Budget.observe`."""
+        self.learn(outcome)
+        self.policy.observe_rows(list(zip(outcome.drafted, outcome.accepted)))
+        self.policy.observe_time(outcome.plan.total, outcome.seconds, feed=outcome.feed)
+
+    def finish(self, memory: DraftingMemory) -> None:
+        """See :meth:`Budget.finish`."""
+        memory.chain = self.policy.carried()
+        self.store()
+
+
+class TreeBudget(_LearntCosts):
+    """``tree_total_tokens="auto"``: each round's tree sized by
+    :class:`~hf_eagle3.core.tree_policy.TreeSizeChooser` from the previous round's candidates, or no tree while
+    trees do not pay; like :class:`ChainBudget`, a plain step first when no plain step is known.
+
+    Args:
+        chooser (`TreeSizeChooser`): the decision, on ``costs.target``.
+        costs, key, context: see :class:`_LearntCosts`.
+        depth (`int`): ``tree_depth``.
+        top_k (`int`): ``tree_top_k``.
+    """
+
+    needs_ranking = True
+
+    def __init__(self, chooser: TreeSizeChooser, costs: Eagle3Costs, key: str, context: int, depth: int,
+                 top_k: int):
+        super().__init__(costs, key, context)
+        self.chooser, self.depth, self.top_k = chooser, depth, top_k
+        self.most = auto_most_nodes(depth, top_k)
+        self.total = None  # the first tree's size, once a plain step is known (`TreeSizeChooser.first_nodes`)
+        self.next_depth = depth  # the levels of the next round's trees
+
+    def plan(self, batch: BatchRows = ONE_ROW, feed: int = 1, room: int | None = None) -> RoundPlan:
+        """See :meth:`Budget.plan`."""
+        depth = self.depth if room is None else min(self.depth, room)
+        if depth < 1 or not self.costs.ready:
+            return PLAIN
+        if self.total is None:
+            self.total = self.chooser.first_nodes(self.most)
+        if not self.chooser.draft_this_round(batch, depth, feed):
+            return PLAIN
+        return RoundPlan(min(depth, self.next_depth), self.top_k, self.total)
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        """See :meth:`Budget.observe`."""
+        self.learn(outcome, steps=False)
+        if not outcome.plan.drafts:
+            self.chooser.update_plain(outcome.seconds)
+            return
+        self.total, self.next_depth = self.chooser.observe_tree_round(
+            outcome.ranking, outcome.nodes - 1, outcome.accepted, outcome.draft_seconds, max(1, outcome.levels),
+            outcome.seconds, self.depth, feed_seconds=outcome.feed_seconds, fed=outcome.feed, batch=outcome.batch)
+
+    def finish(self, memory: DraftingMemory) -> None:
+        """See :meth:`Budget.finish`."""
+        memory.trees[self.key] = self.chooser.carried()
+        self.store()
+
+
+def _call_costs(target, draft, input_ids, masked: bool) -> tuple[Eagle3Costs, str]:
+    """The call's costs from the process's table, and their key."""
+    key = cost_key(target, draft, input_ids.shape[0], masked)
+    return cost_table().costs(key, input_ids.shape[1]), key
+
+
+def chain_budget(target, draft, input_ids, most: int, masked: bool) -> ChainBudget:
+    """
+    The ``"auto"`` chain budget of a call: its costs from the table, the acceptance the draft's last call left.
+
+    Args:
+        target (`PreTrainedModel`): the target.
+        draft (`Eagle3DraftModel`): the draft.
+        input_ids (`torch.LongTensor` [B, L]): the call's prompts.
+        most (`int`): the longest chain (``num_assistant_tokens``).
+        masked (`bool`): the package's loop (its target forwards carry a 4D mask), not Transformers'.
+    """
+    costs, key = _call_costs(target, draft, input_ids, masked)
+    policy = Eagle3DraftLengthPolicy.from_carried(costs, draft.drafting_memory.chain)
+    return ChainBudget(policy, costs, key, input_ids.shape[1], most)
+
+
+def budget_for(call, target, input_ids) -> Budget:
+    """
+    The budget of a call of the package's loop (trees at any batch size, chains for batches), from its settings.
+
+    Args:
+        call: the active EAGLE-3 call (``draft``, ``tree``: the tree settings or ``None``, ``settings``: the
+            call's draft-length settings).
+        target (`PreTrainedModel`): the target.
+        input_ids (`torch.LongTensor` [B, L]): the call's prompts.
+
+    Raises:
+        ValueError: for chain settings batches do not implement (``"heuristic"`` schedules, a confidence threshold),
+            before any work, naming what to use.
+    """
+    draft = call.draft
+    if call.tree is not None:
+        depth, top_k, total = call.tree["depth"], call.tree["top_k"], call.tree["total_tokens"]
+        if total != "auto":
+            return FixedBudget(depth, top_k, total)
+        costs, key = _call_costs(target, draft, input_ids, masked=True)
+        chooser = TreeSizeChooser.from_carried(costs.target, draft.drafting_memory.trees.get(key))
+        return TreeBudget(chooser, costs, key, input_ids.shape[1], depth, top_k)
+    settings = resolve_draft_settings(draft.generation_config, call.settings)
+    schedule = settings.get("num_assistant_tokens_schedule", "constant")
+    if schedule in ("heuristic", "heuristic_transient"):
+        raise ValueError(
+            f"num_assistant_tokens_schedule={schedule!r} (one sequence's draft length, adapted to its acceptance) is "
+            "not implemented for batches: pass num_assistant_tokens_schedule='auto' (one length per round for the "
+            "batch, from measured costs and acceptance) or 'constant', or generate one row at a time."
+        )
+    if float(settings.get("assistant_confidence_threshold") or 0.0) > 0:
+        raise ValueError(
+            f"assistant_confidence_threshold={settings['assistant_confidence_threshold']} is not implemented for "
+            "batches: pass assistant_confidence_threshold=0 (or num_assistant_tokens_schedule='auto', which chooses "
+            "the draft length from the acceptance seen), or generate one row at a time."
+        )
+    k = int(settings.get("num_assistant_tokens", DEFAULT_DRAFT_LENGTH))
+    if schedule == "auto":
+        return chain_budget(target, draft, input_ids, k, masked=True)
+    return FixedBudget(k)

@@ -1,0 +1,218 @@
+"""The budget (``core/budget.py``) and the cost table it prices rounds with (``core/cost_model.py``).
+
+A call times nothing beyond its own rounds: it looks its costs up in the process's table (calibrated ahead of time,
+or learnt by earlier calls), runs a plain step first when no plain step is known, and teaches the table what its
+rounds took; the table persists to the user's cache directory and interpolates between context lengths. With a fake
+clock, the budget learns from its rounds alone that drafting pays where verification is free and does not where it is
+dear. What the draft keeps across calls is one declared object, ``draft.drafting_memory``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import greedy, random_prompt, tiny_draft
+from conftest import cached_target as target_of
+from test_core_greedy import draft_covering, oracle_select
+
+from hf_eagle3 import Eagle3CandidateGenerator
+from hf_eagle3.core import cost_model
+from hf_eagle3.core.budget import PLAIN, ChainBudget, DraftingMemory, FixedBudget, RoundPlan
+from hf_eagle3.core.cost_model import CostTable, Eagle3Costs, calibrate, cost_key, cost_table
+from hf_eagle3.core.draft_length_policy import Eagle3DraftLengthPolicy
+
+AUTO = {"num_assistant_tokens_schedule": "auto"}
+TREE_AUTO = {"tree_top_k": 2, "tree_depth": 3, "tree_total_tokens": "auto"}
+
+
+def counting_forwards(target, monkeypatch) -> list:
+    """Record the number of new tokens of every forward of ``target``."""
+    seen, forward = [], target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: seen.append(k["input_ids"].shape[1]) or forward(*a, **k))
+    return seen
+
+
+def no_timing(monkeypatch) -> None:
+    """Make every dedicated timing of a forward an error."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a generate call timed a forward of its own")
+
+    monkeypatch.setattr(cost_model, "measure_target_seconds", refuse)
+    monkeypatch.setattr(cost_model, "measure_draft_seconds", refuse)
+
+
+@pytest.mark.parametrize("rows,settings", [(1, AUTO), (2, AUTO), (1, TREE_AUTO), (2, TREE_AUTO)],
+                         ids=["chain", "batched-chain", "tree", "batched-tree"])
+def test_a_call_times_nothing_beyond_its_rounds(rows, settings, monkeypatch):
+    """Every target forward of an ``"auto"`` call is one of its rounds (the prefill and one per round), with no table
+    and with one: no forward is timed for the budget, in either loop."""
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=2)
+    ids = torch.cat([random_prompt(9, seed=3 + b) for b in range(rows)])
+    mask = torch.ones_like(ids)
+    ref = greedy(target, ids, attention_mask=mask, max_new_tokens=12)
+    no_timing(monkeypatch)
+    for call in range(2):  # an empty table, then the one the first call left
+        seen = counting_forwards(target, monkeypatch)
+        out = greedy(target, ids, attention_mask=mask, max_new_tokens=12, assistant_model=draft, **settings)
+        assert torch.equal(out, ref)
+        assert len(seen) == draft.last_batch_stats[0].num_target_forwards if rows > 1 else \
+            len(seen) == draft.last_stats.num_target_forwards
+        assert seen[0] == 9  # the prefill, then rounds of a few tokens
+        monkeypatch.undo()
+        no_timing(monkeypatch)
+    assert any(key.endswith("|transformers" if rows == 1 and settings is AUTO else "|package")
+               for key in cost_table().entries)
+
+
+def test_the_first_round_without_costs_is_plain_and_teaches_the_table(monkeypatch, tmp_path):
+    """With an empty table the first round after the prefill is the target's own step (its time is the plain step's
+    cost); the call leaves its learnt costs in the table and its file, and the next call drafts from its first round."""
+    monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path))
+    monkeypatch.setattr(cost_model, "_TABLE", [])  # the process's table, read afresh from the new directory
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=2)
+    ids = random_prompt(9, seed=3)
+    events, plan, choose = [], ChainBudget.plan, Eagle3DraftLengthPolicy.choose
+    monkeypatch.setattr(ChainBudget, "plan", lambda self, *a, **k: events.append("plan") or plan(self, *a, **k))
+    monkeypatch.setattr(Eagle3DraftLengthPolicy, "choose",
+                        lambda self, *a, **k: events.append("priced") or choose(self, *a, **k))
+    greedy(target, ids, max_new_tokens=10, assistant_model=draft, **AUTO)
+    assert events[:2] == ["plan", "plan"]  # the first round: no costs to price it with
+    key = cost_key(target, draft, 1, masked=False)
+    stored = json.loads((tmp_path / "costs.json").read_text())["entries"][key]
+    assert "1" in stored["128"]["target"]
+    events.clear()
+    greedy(target, ids, max_new_tokens=10, assistant_model=draft, **AUTO)
+    assert events[:2] == ["plan", "priced"]  # a plain step is known: the first round is priced
+
+
+def test_the_table_persists_and_reloads(tmp_path):
+    """What one process stores, the next reads (a shipped or passed table merges the same way); a bad file is
+    refused with the fix; reset forgets and deletes."""
+    path = tmp_path / "costs.json"
+    table = CostTable(path)
+    table.store("k", 300, Eagle3Costs({1: 0.1, 4: 0.2}, {1: 0.01}, 0.005))
+    assert table.save() == path
+    again = CostTable(path)
+    costs = again.costs("k", 512)
+    assert costs.target == {1: 0.1, 4: 0.2} and costs.draft_feed == {1: 0.01} and costs.draft_step == 0.005
+    assert CostTable(None).load(path).costs("k", 512).target == {1: 0.1, 4: 0.2}
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="hf-eagle3 calibrate"):
+        CostTable(tmp_path / "bad.json")
+    again.reset()
+    assert not path.exists() and again.costs("k", 512).target == {}
+
+
+def test_costs_are_interpolated_across_context_lengths():
+    """Costs stored at two context buckets give a line in the context length: between them, beyond them (never
+    below the smallest stored), and a size stored at one bucket only keeps its value."""
+    table = CostTable(None)
+    table.store("k", 100, Eagle3Costs({1: 1.0, 8: 2.0}, {}, None))
+    table.store("k", 1000, Eagle3Costs({1: 2.0}, {}, None))  # buckets 128 and 1024
+    assert table.costs("k", 576).target[1] == pytest.approx(1.5)
+    assert table.costs("k", 1920).target[1] == pytest.approx(3.0)
+    assert table.costs("k", 16).target[1] == pytest.approx(1.0)
+    assert table.costs("k", 576).target[8] == pytest.approx(2.0)
+
+
+def test_learning_from_rounds():
+    """A size's first timing is set aside (one-time costs); after it a faster timing replaces a cost, a slower one
+    moves it a quarter of the way, counted at most twice the cost; a forward of n tokens at most n plain steps."""
+    costs = Eagle3Costs()
+    costs.learn(1, 5.0)
+    assert not costs.ready
+    costs.learn(1, 1.0)
+    assert costs.target == {1: 1.0}
+    costs.learn(1, 2.0)
+    assert costs.target[1] == pytest.approx(1.25)
+    costs.learn(1, 100.0)
+    assert costs.target[1] == pytest.approx(1.25 + 0.25 * 1.25)
+    costs.learn(1, 0.5)
+    assert costs.target[1] == 0.5
+    costs.learn(4, 9.0)
+    costs.learn(4, 9.0, fed=3, feed_seconds=0.3, steps=2, step_seconds=0.2)
+    assert costs.target[4] == pytest.approx(2.0)  # at most 4 plain steps
+    assert 3 not in costs.draft_feed and costs.draft_step is None  # first timings of the feed and the step
+    costs.learn(4, 1.0, fed=3, feed_seconds=0.3, steps=2, step_seconds=0.2)
+    assert costs.draft_feed[3] == pytest.approx(0.3) and costs.draft_step == pytest.approx(0.1)
+
+
+def test_calibrate_fills_the_table_ahead_of_time(tmp_path, monkeypatch):
+    """``calibrate`` times every forward at each context length for each loop and writes the table; a call then
+    starts priced (its first round is not the plain step that learns a missing one)."""
+    monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path))
+    monkeypatch.setattr(cost_model, "_TABLE", [])
+    monkeypatch.setattr(cost_model, "TARGET_SIZES", (1, 2, 4))
+    target = target_of("qwen3")
+    draft = tiny_draft(target, seed=4)
+    draft.bind_target(target)
+    lines = []
+    out = calibrate(target, draft, batch_sizes=(1, 3), contexts=(16, 64), progress=lines.append)
+    keys = {cost_key(target, draft, 1, False), cost_key(target, draft, 1, True), cost_key(target, draft, 3, True)}
+    assert set(out) == keys and len(lines) == 6  # rows 3: the package's loop only (Transformers' takes one row)
+    stored = json.loads((tmp_path / "costs.json").read_text())["entries"]
+    for key in keys:
+        assert set(stored[key]) == {"128"} or set(stored[key]) == {"16", "64"}
+    costs = cost_table().costs(cost_key(target, draft, 1, False), 40)
+    assert costs.ready and set(costs.target) >= {1, 2, 4} and costs.draft_step > 0
+    events, choose = [], Eagle3DraftLengthPolicy.choose
+    monkeypatch.setattr(Eagle3DraftLengthPolicy, "choose",
+                        lambda self, *a, **k: events.append("priced") or choose(self, *a, **k))
+    greedy(target, random_prompt(9, seed=3), max_new_tokens=6, assistant_model=draft, **AUTO)
+    assert len(events) == draft.last_stats.num_target_forwards - 2  # every round priced but the last (no room)
+
+
+class FakeClock:
+    """A clock that only target forwards move: ``1 + slope * (n - 1)`` seconds for ``n`` new tokens."""
+
+    def __init__(self, slope: float):
+        self.now, self.slope = 0.0, slope
+
+    def forward_of(self, forward):
+        def timed(*args, **kwargs):
+            self.now += 1.0 + self.slope * (kwargs["input_ids"].shape[1] - 1)
+            return forward(*args, **kwargs)
+        return timed
+
+
+@pytest.mark.parametrize("slope", [0.0, 3.0], ids=["free-verification", "dear-verification"])
+def test_the_budget_learns_from_its_rounds_whether_drafting_pays(slope, monkeypatch):
+    """An oracle draft (accepted but at a few positions) on a fake clock: where verifying more tokens costs nothing
+    the budget learns to draft long chains; where each further token costs three plain steps it learns to draft
+    (almost) nothing. Nothing but the call's own rounds taught it, and the output is the target's."""
+    target = target_of("llama")
+    length, new = 7, 40
+    ids = random_prompt(length, seed=11)
+    ref = greedy(target, ids, max_new_tokens=new)
+    draft = draft_covering(target, ref[0, length:].tolist(), 48)
+    monkeypatch.setattr(Eagle3CandidateGenerator, "_select", oracle_select(target, draft, {length + 9, length + 20}))
+    clock = FakeClock(slope)
+    monkeypatch.setattr(cost_model.Stopwatch, "mark", lambda self: clock.now)
+    monkeypatch.setattr(target, "forward", clock.forward_of(target.forward))
+    no_timing(monkeypatch)
+    out = greedy(target, ids, max_new_tokens=new, assistant_model=draft, num_assistant_tokens=4, **AUTO)
+    assert torch.equal(out, ref)
+    stats = draft.last_stats
+    if slope == 0.0:
+        assert stats.num_drafts > 3 * stats.num_rounds_without_draft and stats.mean_draft_length > 3
+    else:
+        assert stats.num_rounds_without_draft > 3 * stats.num_drafts
+
+
+def test_fixed_budgets_and_plans():
+    """A given shape is kept, its depth cut to the room left; a chain is a tree with one child per node; the draft
+    declares its memory, which reset forgets."""
+    assert FixedBudget(5).plan(room=3) == RoundPlan(3, 1, 5) and FixedBudget(5).plan(room=0) == PLAIN
+    assert FixedBudget(4, 4, 8).plan() == RoundPlan(4, 4, 8) and not FixedBudget(4).timed
+    assert not PLAIN.drafts and RoundPlan(1, 1, 1).drafts
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=2)
+    assert isinstance(draft.drafting_memory, DraftingMemory) and draft.drafting_memory.chain is None
+    greedy(target, random_prompt(9, seed=3), max_new_tokens=6, assistant_model=draft, **AUTO)
+    assert draft.drafting_memory.chain is not None
+    draft.drafting_memory.reset()
+    assert draft.drafting_memory == DraftingMemory()
