@@ -24,6 +24,7 @@ STRATEGIES = {
     "chain k=5": {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "constant"},
     "tree 4x4x8": {"tree_top_k": 4, "tree_depth": 4, "tree_total_tokens": 8},
     "tree 4x5x16": {"tree_top_k": 4, "tree_depth": 5, "tree_total_tokens": 16},
+    "tree auto 4x5": {"tree_top_k": 4, "tree_depth": 5, "tree_total_tokens": "auto"},
 }
 
 

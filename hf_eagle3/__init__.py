@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModel
 from .core.batch_drafter import Eagle3BatchTreeDrafter
 from .core.candidate_generator import Eagle3CandidateGenerator
 from .core.configuration_eagle3 import Eagle3Config
+from .core.cost_model import calibrate, cost_table
 from .core.draft_cache import Eagle3KVCache, Eagle3RowCache
 from .core.feature_capture import Eagle3FeatureCapture, find_decoder_layers
 from .core.generate_hook import install_generate_hook, is_eagle3_draft
@@ -37,6 +38,8 @@ __all__ = [
     "Eagle3KVCache",
     "Eagle3RowCache",
     "Eagle3Stats",
+    "calibrate",
+    "cost_table",
     "find_decoder_layers",
     "install_generate_hook",
     "is_eagle3_draft",

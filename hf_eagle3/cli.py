@@ -11,7 +11,8 @@ import argparse
 import importlib
 import sys
 
-PLUGIN_MODULES = ("hf_eagle3.training.cli", "hf_eagle3.checkpoints.export", "hf_eagle3.checkpoints.check")
+PLUGIN_MODULES = ("hf_eagle3.bench.calibrate", "hf_eagle3.training.cli", "hf_eagle3.checkpoints.export",
+                  "hf_eagle3.checkpoints.check")
 
 
 def _run_demo(args) -> int:

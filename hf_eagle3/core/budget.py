@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .batch_tail import ONE_ROW, BatchRows
-from .cost_model import Eagle3Costs, cost_key, cost_table
+from .cost_model import SAMPLES, Eagle3Costs, cost_key, cost_table
 from .drafting_memory import DraftingMemory
 from .draft_length_policy import Eagle3DraftLengthPolicy
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
@@ -186,7 +186,7 @@ class _LearntCosts(Budget):
 
     def store(self) -> None:
         """Put the call's learnt costs back in the process's table and its file."""
-        if self.costs.ready:
+        if self.costs.target:
             table = cost_table()
             table.store(self.key, self.context, self.costs)
             table.save()
@@ -194,9 +194,9 @@ class _LearntCosts(Budget):
 
 class ChainBudget(_LearntCosts):
     """``num_assistant_tokens_schedule="auto"``: each round the chain length, 0 included, with the most expected
-    tokens per second (:class:`~hf_eagle3.core.draft_length_policy.Eagle3DraftLengthPolicy`). A call whose costs
-    know no plain step yet runs one first (the target's own step, nothing lost), and learns every other cost from
-    the rounds that need it.
+    tokens per second (:class:`~hf_eagle3.core.draft_length_policy.Eagle3DraftLengthPolicy`). A call whose costs lack
+    a length's target forward first lets the lengths take turns until each is timed (:meth:`learning_round`: a few
+    rounds, on a machine with no table only).
 
     Args:
         policy (`Eagle3DraftLengthPolicy`): the decision, on ``costs``.
@@ -211,10 +211,24 @@ class ChainBudget(_LearntCosts):
     def plan(self, batch: BatchRows = ONE_ROW, feed: int = 1, room: int | None = None) -> RoundPlan:
         """See :meth:`Budget.plan`."""
         most = self.most if room is None else min(self.most, room)
-        if most < 1 or not self.costs.ready:
+        if most < 1:
             return PLAIN
-        k = self.policy.choose(most, feed=feed, batch=batch)
+        k = self.learning_round(most)
+        if k is None:
+            k = self.policy.choose(most, feed=feed, batch=batch)
         return RoundPlan(k, 1, k) if k > 0 else PLAIN
+
+    def learning_round(self, most: int) -> int | None:
+        """While the costs lack a chain length's target forward (no calibration, and no earlier call learnt it), the
+        length whose forward has been timed least (the shortest of equals, a plain step first): the lengths take turns,
+        so their costs are measured close together in time. ``None`` once every length's cost is known.
+
+        Args:
+            most (`int`): the longest chain this round may draft.
+        """
+        counts = {k: self.costs.observations(k + 1) for k in range(most + 1)}
+        k = min(counts, key=lambda k: (counts[k], k))
+        return k if counts[k] <= SAMPLES else None
 
     def observe(self, outcome: RoundOutcome) -> None:
         """See :meth:`Budget.observe`."""

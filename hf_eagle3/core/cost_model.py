@@ -38,10 +38,11 @@ TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 32, 64)
 FEED_SIZES = (1, 4, 16)  # draft feed sizes :func:`calibrate` times
 CALIBRATION_CONTEXTS = (128, 1024)  # cache lengths :func:`calibrate` times at: two points of a line per size
 CONTEXT_TOKENS = 128  # the shortest context bucket a call's learnt costs are stored under (see `context_length`)
-# A stall can slow a round, never speed it up: a faster timing replaces a cost, a slower one moves it LEARN of the way,
-# counted at most SPIKE times the cost (so one stalled round cannot flip a decision).
-LEARN = 0.25
-SPIKE = 2.0
+# A cost not in the table is learnt from the call's rounds: the first timing of a size is set aside (one-time costs),
+# the next SAMPLES are kept and the fastest of them becomes the cost (a stall slows a round, never speeds it up). Then
+# the cost is fixed, as a calibrated one is: decisions compare costs measured close together in time, so a machine
+# that slows down or speeds up as a whole does not flip them.
+SAMPLES = 2
 
 
 def synchronize(device) -> None:
@@ -131,7 +132,7 @@ class Eagle3Costs:
     target: dict = field(default_factory=dict)
     draft_feed: dict = field(default_factory=dict)
     draft_step: float | None = None
-    first_seen: set = field(default_factory=set, compare=False)  # sizes whose first timing was set aside
+    seen: dict = field(default_factory=dict, compare=False)  # (kind, size) -> timings of a cost being learnt
 
     @property
     def ready(self) -> bool:
@@ -141,10 +142,8 @@ class Eagle3Costs:
     def learn(self, nodes: int, verify_seconds: float, fed: int = 0, feed_seconds: float = 0.0, steps: int = 0,
               step_seconds: float = 0.0) -> None:
         """
-        Teach the costs what a round's forwards took: a faster timing replaces a cost, a slower one moves it
-        :data:`LEARN` of the way (counted at most :data:`SPIKE` times the cost). The first timing of a size not yet
-        measured is set aside (the first forward of a shape pays one-time costs: kernel choice, allocation); the
-        second is taken. A target forward of ``n`` tokens is counted at most ``n`` plain steps (``n`` one-token
+        Learn the costs this round measured and the costs do not know yet (a known cost is fixed: see
+        :data:`SAMPLES`). A target forward of ``n`` tokens is counted at most ``n`` plain steps (``n`` one-token
         forwards do its work).
 
         Args:
@@ -160,20 +159,28 @@ class Eagle3Costs:
         self._learn(self.target, "target", nodes, verify_seconds)
         if fed > 0:
             self._learn(self.draft_feed, "feed", fed, feed_seconds)
-        if steps > 0:
-            step = {1: self.draft_step} if self.draft_step is not None else {}
+        if steps > 0 and self.draft_step is None:
+            step = {}
             self._learn(step, "step", 1, step_seconds / steps)
             self.draft_step = step.get(1)
 
     def _learn(self, table: dict, kind: str, size: int, seconds: float) -> None:
         """One timing of ``size`` into ``table`` (see :meth:`learn`)."""
-        old = table.get(size)
-        if old is None and (kind, size) not in self.first_seen:
-            self.first_seen.add((kind, size))
-        elif old is None or seconds <= old:
-            table[size] = seconds
-        else:
-            table[size] = old + LEARN * (min(seconds, SPIKE * old) - old)
+        if size in table:
+            return
+        timings = self.seen.setdefault((kind, size), [])
+        timings.append(seconds)
+        if len(timings) > SAMPLES:
+            table[size] = min(timings[1:])
+
+    def observations(self, nodes: int) -> int:
+        """Timings of a target forward of ``nodes`` tokens this call has made while learning its cost (a known cost:
+        as many as learning takes).
+
+        Args:
+            nodes (`int`): tokens of the forward.
+        """
+        return SAMPLES + 1 if nodes in self.target else len(self.seen.get(("target", nodes), ()))
 
     def copy(self) -> "Eagle3Costs":
         """An independent copy (a call learns on its own copy of the table's costs)."""
