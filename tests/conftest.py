@@ -134,9 +134,9 @@ def cached_draft(arch: str = "llama", draft_vocab_size: int | None = None):
 def known_costs(target, draft, rows: int = 1, masked: bool = True) -> None:
     """Put costs for ``target`` and ``draft`` in the process's cost table (as ``hf_eagle3.calibrate`` would), so that
     an ``"auto"`` call's first round is priced rather than the plain step that learns a missing plain step."""
-    from hf_eagle3.core.cost_model import Eagle3Costs, cost_key, cost_table
+    from hf_eagle3.core.cost_model import TARGET_SIZES, Eagle3Costs, cost_key, cost_table
 
-    costs = Eagle3Costs({1: 0.010, 2: 0.011, 8: 0.014, 64: 0.040}, {1: 0.001, 16: 0.002}, 0.001)
+    costs = Eagle3Costs({n: 0.010 + 0.0005 * (n - 1) for n in TARGET_SIZES}, {1: 0.001, 16: 0.002}, 0.001)
     cost_table().store(cost_key(target, draft, rows, masked), 128, costs)
 
 

@@ -137,6 +137,12 @@ def test_learning_from_rounds():
         costs.learn(4, 9.0, fed=3, feed_seconds=0.3, steps=2, step_seconds=0.2)
     assert costs.target[4] == pytest.approx(4.0)  # at most 4 plain steps
     assert costs.draft_feed[3] == pytest.approx(0.3) and costs.draft_step == pytest.approx(0.1)
+    # relative (chains, whose lengths take turns): a forward learnt as a multiple of the plain step timed before it,
+    # so a machine slower for a while (here 5x, from the second turn on) slows both alike
+    for plain, three in ((1.0, 1.5), (5.0, 7.5), (5.0, 8.0)):
+        costs.learn(1, plain)
+        costs.learn(3, three, relative=True)
+    assert costs.target[3] == pytest.approx(1.5 * costs.target[1])
 
 
 def test_calibrate_fills_the_table_ahead_of_time(tmp_path, monkeypatch):

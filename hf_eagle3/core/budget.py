@@ -17,8 +17,8 @@ Glossary:
 A budget answers :meth:`Budget.plan` before each round and learns from :meth:`Budget.observe` after it;
 :func:`budget_for` builds the one a call's settings ask for: :class:`FixedBudget` (a draft length or tree given),
 :class:`ChainBudget` (``num_assistant_tokens_schedule="auto"``) or :class:`TreeBudget` (``tree_total_tokens="auto"``).
-Chains and trees decide whether to draft by one rule: draft when the planned round's expected tokens per second
-(tokens by which the batch nears its end) are at least a plain step's.
+Chains and trees weigh a round by the same measure: its expected tokens (by which the batch nears its end) per second,
+against a plain step's.
 """
 
 from __future__ import annotations
@@ -170,19 +170,20 @@ class _LearntCosts(Budget):
     def __init__(self, costs: Eagle3Costs, key: str, context: int):
         self.costs, self.key, self.context = costs, key, context
 
-    def learn(self, outcome: RoundOutcome, steps: bool = True) -> None:
+    def learn(self, outcome: RoundOutcome, chain: bool = True) -> None:
         """
         Teach the costs the round's forwards (see :meth:`~hf_eagle3.core.cost_model.Eagle3Costs.learn`).
 
         Args:
             outcome (`RoundOutcome`): the round.
-            steps (`bool`): also the draft's one-token step (a chain's; a tree's levels are wider).
+            chain (`bool`): a chain budget's round: also the draft's one-token step (a tree's levels are wider), and
+                the target's forward relative to the plain step timed just before (the lengths take turns).
         """
         drafts = outcome.plan.drafts
         self.costs.learn(outcome.nodes, outcome.verify_seconds, fed=outcome.feed if drafts else 0,
                          feed_seconds=outcome.feed_seconds,
-                         steps=max(outcome.levels - 1, 0) if drafts and steps else 0,
-                         step_seconds=outcome.draft_seconds - outcome.feed_seconds)
+                         steps=max(outcome.levels - 1, 0) if drafts and chain else 0,
+                         step_seconds=outcome.draft_seconds - outcome.feed_seconds, relative=chain)
 
     def store(self) -> None:
         """Put the call's learnt costs back in the process's table and its file."""
@@ -220,15 +221,17 @@ class ChainBudget(_LearntCosts):
 
     def learning_round(self, most: int) -> int | None:
         """While the costs lack a chain length's target forward (no calibration, and no earlier call learnt it), the
-        length whose forward has been timed least (the shortest of equals, a plain step first): the lengths take turns,
-        so their costs are measured close together in time. ``None`` once every length's cost is known.
+        length whose forward this call has timed least (the shortest of equals): the plain step and the lengths not
+        yet known take turns, so that each is timed next to a plain step. ``None`` once every length's cost is known.
 
         Args:
             most (`int`): the longest chain this round may draft.
         """
-        counts = {k: self.costs.observations(k + 1) for k in range(most + 1)}
-        k = min(counts, key=lambda k: (counts[k], k))
-        return k if counts[k] <= SAMPLES else None
+        unknown = [k for k in range(1, most + 1) if k + 1 not in self.costs.target]
+        if not unknown and 1 in self.costs.target:
+            return None
+        counts = {k: self.costs.observations(k + 1, known=False) for k in [0] + unknown}
+        return min(counts, key=lambda k: (counts[k], k))
 
     def observe(self, outcome: RoundOutcome) -> None:
         """See :meth:`Budget.observe`."""
@@ -277,7 +280,7 @@ class TreeBudget(_LearntCosts):
 
     def observe(self, outcome: RoundOutcome) -> None:
         """See :meth:`Budget.observe`."""
-        self.learn(outcome, steps=False)
+        self.learn(outcome, chain=False)
         if not outcome.plan.drafts:
             self.chooser.update_plain(outcome.seconds)
             return

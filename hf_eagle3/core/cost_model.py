@@ -133,6 +133,7 @@ class Eagle3Costs:
     draft_feed: dict = field(default_factory=dict)
     draft_step: float | None = None
     seen: dict = field(default_factory=dict, compare=False)  # (kind, size) -> timings of a cost being learnt
+    last_plain: float | None = field(default=None, compare=False)  # the latest plain step's timing (relative learning)
 
     @property
     def ready(self) -> bool:
@@ -140,11 +141,12 @@ class Eagle3Costs:
         return 1 in self.target
 
     def learn(self, nodes: int, verify_seconds: float, fed: int = 0, feed_seconds: float = 0.0, steps: int = 0,
-              step_seconds: float = 0.0) -> None:
+              step_seconds: float = 0.0, relative: bool = False) -> None:
         """
         Learn the costs this round measured and the costs do not know yet (a known cost is fixed: see
         :data:`SAMPLES`). A target forward of ``n`` tokens is counted at most ``n`` plain steps (``n`` one-token
-        forwards do its work).
+        forwards do its work). ``relative``: a forward of several tokens is learnt as a multiple of the plain step
+        timed just before it (rounds that take turns), so a machine slower for a while slows both alike.
 
         Args:
             nodes (`int`): tokens per row the round's target forward verified (the root included).
@@ -153,10 +155,20 @@ class Eagle3Costs:
             feed_seconds (`float`): the feed's time.
             steps (`int`): further draft forwards (levels) after the feed.
             step_seconds (`float`): their time together.
+            relative (`bool`): learn a forward of several tokens relative to the latest plain step.
         """
-        if nodes > 1 and 1 in self.target:
-            verify_seconds = min(verify_seconds, nodes * self.target[1])
-        self._learn(self.target, "target", nodes, verify_seconds)
+        if nodes == 1:
+            self.last_plain = verify_seconds
+            if 1 in self.target:  # known: counted only, so that plain steps take their turns while others learn
+                self.seen.setdefault(("target", 1), []).append(verify_seconds)
+        if relative and nodes > 1:
+            if self.last_plain is not None and nodes not in self.target:
+                self._learn(self.target, "target", nodes, min(verify_seconds / self.last_plain, nodes),
+                            scale=self.target.get(1))
+        else:
+            if nodes > 1 and 1 in self.target:
+                verify_seconds = min(verify_seconds, nodes * self.target[1])
+            self._learn(self.target, "target", nodes, verify_seconds)
         if fed > 0:
             self._learn(self.draft_feed, "feed", fed, feed_seconds)
         if steps > 0 and self.draft_step is None:
@@ -164,23 +176,26 @@ class Eagle3Costs:
             self._learn(step, "step", 1, step_seconds / steps)
             self.draft_step = step.get(1)
 
-    def _learn(self, table: dict, kind: str, size: int, seconds: float) -> None:
-        """One timing of ``size`` into ``table`` (see :meth:`learn`)."""
+    def _learn(self, table: dict, kind: str, size: int, seconds: float, scale: float | None = 1.0) -> None:
+        """One timing of ``size`` into ``table`` (see :meth:`learn`); ``scale``: what a timing is a multiple of
+        (``None``: not known yet, the cost waits for it)."""
         if size in table:
             return
         timings = self.seen.setdefault((kind, size), [])
         timings.append(seconds)
-        if len(timings) > SAMPLES:
-            table[size] = min(timings[1:])
+        if len(timings) > SAMPLES and scale is not None:
+            table[size] = min(timings[1:]) * scale
 
-    def observations(self, nodes: int) -> int:
-        """Timings of a target forward of ``nodes`` tokens this call has made while learning its cost (a known cost:
-        as many as learning takes).
+    def observations(self, nodes: int, known: bool = True) -> int:
+        """Timings of a target forward of ``nodes`` tokens this call has made while learning its cost.
 
         Args:
             nodes (`int`): tokens of the forward.
+            known (`bool`): count a known cost as learnt (``SAMPLES + 1``) rather than by this call's timings.
         """
-        return SAMPLES + 1 if nodes in self.target else len(self.seen.get(("target", nodes), ()))
+        if known and nodes in self.target:
+            return SAMPLES + 1
+        return len(self.seen.get(("target", nodes), ()))
 
     def copy(self) -> "Eagle3Costs":
         """An independent copy (a call learns on its own copy of the table's costs)."""

@@ -16,15 +16,16 @@ from dataclasses import dataclass, field
 from .batch_tail import ONE_ROW, BatchRows
 from .cost_model import Eagle3Costs
 
-PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed at a draft position nothing is known about
-PRIOR_WEIGHT = 2.0  # weight of the prior, in rounds
+# Every constant below is a design value (a neutral prior, a memory length, a budget), none chosen by a measurement
+# within a machine's spread; the probe budget's effect is measured in docs/bench_results/2026-12-06_probe_budget_*.json.
+PRIOR_ACCEPTANCE = 0.5  # conditional acceptance assumed at a draft position nothing is known about (neutral)
+PRIOR_WEIGHT = 2.0  # weight of the prior, in rounds: two rounds of evidence outweigh it
 CARRIED_WEIGHT = 10.0  # at most this many rounds of a call's evidence carry over to the next call of the draft
-DECAY = 0.95  # per drafted round: older rounds count less, so the estimate follows the text
+DECAY = 0.95  # per drafted round: the estimate's memory is about 20 rounds, so it follows the text
 PROBE_EVERY = 8  # rounds without a draft before the first probe; doubles after each probe that does not pay
 MAX_PROBE_EVERY = 64
 PROBE_BUDGET = 0.02  # a probe's expected loss may be at most this fraction of the time waited since the last one
-OVERHEAD_SMOOTHING = 0.2  # exponential smoothing of the measured per-round overhead
-
+PACE_SMOOTHING = 0.2  # exponential smoothing of the measured pace of the rounds (a memory of about 5 rounds)
 
 def smooth(previous: float | None, value: float, weight: float) -> float:
     """
@@ -227,7 +228,8 @@ class Eagle3DraftLengthPolicy:
     r"""
     Chooses the draft length of each round (``num_assistant_tokens_schedule="auto"``): the ``k`` in ``0..max_k``
     with the most expected tokens per second, from the measured round costs (:class:`Eagle3Costs`), the acceptance
-    seen so far (:class:`Eagle3AcceptanceEstimate`) and the per-round overhead measured in the call.
+    seen so far (:class:`Eagle3AcceptanceEstimate`) and the pace of the call's rounds against their costs (a machine
+    slower or faster as a whole, the loop's bookkeeping) measured in the call.
 
     ``k = 0`` (draft nothing: the round is a plain target step) wins when no draft length pays. Since nothing is
     learnt while not drafting, the policy then drafts probe rounds (:class:`ProbeSchedule`).
@@ -244,7 +246,7 @@ class Eagle3DraftLengthPolicy:
                  probe_every: int = PROBE_EVERY, probe_waited: float = 0.0):
         self.costs = costs
         self.estimate = estimate if estimate is not None else Eagle3AcceptanceEstimate()
-        self.overhead = {False: None, True: None}  # measured minus modelled seconds, rounds without / with a draft
+        self.pace = {False: None, True: None}  # measured over modelled seconds, rounds without / with a draft
         self.probes = ProbeSchedule(probe_every, probe_waited)
 
     @property
@@ -263,12 +265,11 @@ class Eagle3DraftLengthPolicy:
             feed (`int`): positions the draft consumes first.
             batch (`BatchRows`): the unfinished rows (default: one sequence).
         """
-        overhead = self.overhead[k > 0]
-        if overhead is None:  # not measured yet for this kind of round
-            # A round with a draft does all a round without one does, and more: the plain rounds' overhead is a floor
-            # for it. Not the other way round: a plain round is the one target forward the costs timed.
-            overhead = (self.overhead[False] or 0.0) if k > 0 else 0.0
-        seconds = max(self.costs.round_seconds(k, feed) + overhead, 1e-9)
+        pace = self.pace[k > 0]
+        if pace is None:  # not measured yet for this kind of round: it runs at the pace of the other kind (the
+            # machine as a whole is what makes the costs run slower or faster), or at its costs
+            pace = self.pace[k <= 0] or 1.0
+        seconds = max(self.costs.round_seconds(k, feed) * pace, 1e-9)
         return batch.tokens(self.estimate.expected_tokens(k), self.estimate.tokens_std(k)), seconds
 
     def rounds(self, max_k: int, feed: int = 1, batch: BatchRows = ONE_ROW) -> dict:
@@ -336,15 +337,18 @@ class Eagle3DraftLengthPolicy:
 
     def observe_time(self, drafted: int, seconds: float, feed: int = 1) -> None:
         """
-        Record the wall time of a finished round; what the costs do not explain becomes the per-round overhead.
+        Record the wall time of a finished round: its ratio to its costs is the pace of the call's rounds of its kind
+        (with or without a draft), by which the next ones are priced. A pace common to both kinds (the machine slower
+        than when the costs were measured) changes no decision; a drafting round's own bookkeeping does.
 
         Args:
             drafted (`int`): tokens drafted.
             seconds (`float`): the round's wall time (drafting, verification, bookkeeping).
             feed (`int`): positions the draft consumed at the start of the round.
         """
-        residual = seconds - self.costs.round_seconds(drafted, feed)
-        self.overhead[drafted > 0] = smooth(self.overhead[drafted > 0], residual, OVERHEAD_SMOOTHING)
+        modelled = self.costs.round_seconds(drafted, feed)
+        if modelled > 0:
+            self.pace[drafted > 0] = smooth(self.pace[drafted > 0], seconds / modelled, PACE_SMOOTHING)
         if not drafted:
             self.probes.wait(seconds)
 

@@ -8,15 +8,18 @@ from .batch_tail import ONE_ROW, BatchRows
 from .cost_model import interpolate
 from .draft_length_policy import ProbeSchedule, smooth
 
-AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tree inputs (root included) whose target forward cost "auto" measures
+# Every constant below is a design value (a prior, a statistical convention, a memory length), none chosen by a
+# measurement within a machine's spread.
 AUTO_MAX_NODES = 63  # largest tree "auto" chooses (64 target inputs with the root)
 AUTO_PRIOR_WEIGHT = 2.0  # pseudo-tokens of the prior calibration 1.0 (see `TreeSizeChooser`)
 MIN_ROUNDS_BEFORE_SKIPPING = 2  # rounds with a tree measured before "auto" may decide to draft none
 SETTLED_ROUNDS = 8  # before this many rounds with a tree, "auto" skips only where trees are clearly below (DOUBT)
-DOUBT = 2.0  # standard errors of a row's mean tokens a round granted to trees before SETTLED_ROUNDS
-SPREAD_FLOOR = 1.0  # the least spread of a row's tokens a round assumed for that standard error
-SKIP_BELOW = 0.9  # draft no tree while trees make less than this fraction of a plain step's tokens per second
-SMOOTHING = 0.1  # exponential smoothing of the recent rounds' tokens and seconds
+DOUBT = 2.0  # standard errors of a row's mean tokens a round granted to trees before SETTLED_ROUNDS (about 95 %)
+SPREAD_FLOOR = 1.0  # the least spread of a row's tokens a round assumed for that standard error (one token)
+# Draft no tree while trees make less than this fraction of a plain step's tokens per second: a margin for the noise of
+# measured round rates (1.0 ran alike: docs/bench_results/2026-12-06_probe_budget_skip_below_1_8rows_float32.json).
+SKIP_BELOW = 0.9
+SMOOTHING = 0.1  # exponential smoothing of the recent rounds' tokens and seconds (a memory of about 10 rounds)
 USUAL_FEED = 8  # positions a feed covers after a round with a tree (more: a feed deferred by rounds without one)
 AUTO_FIRST = 16  # most nodes of the first round's tree (each later round is sized from the previous round's candidates)
 FIRST_COST = 2.0  # the first round's tree costs the target at most this many plain steps
