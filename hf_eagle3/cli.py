@@ -100,7 +100,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    "(default 4x4x8,4x5x16,8x6x32)")
     p.add_argument("--strategies", default=None,
                    help="comma-separated strategy families (default: all registered: plain, prompt_lookup, "
-                        "eagle3_chain, eagle3_tree)")
+                        "eagle3_chain, eagle3_auto, eagle3_tree)")
     p.add_argument("--compile-draft", nargs="?", const="default", default=None, metavar="MODES",
                    help="also run every EAGLE-3 strategy with its drafting steps under torch.compile "
                         "(draft.generation_config.compile_config = CompileConfig(mode=MODE)), side by side with "

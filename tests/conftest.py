@@ -15,9 +15,6 @@ import torch
 # on one thread than on two that wait for each other).
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, min(2, os.cpu_count() or 1)))
 
-# The cost table the budgets learn into lives in a directory of the run's own, never the user's cache.
-os.environ.setdefault("HF_EAGLE3_CACHE", tempfile.mkdtemp(prefix="hf_eagle3_test_cache_"))
-
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -27,6 +24,10 @@ from transformers import (  # noqa: E402
 )
 
 import hf_eagle3  # noqa: E402  (installs the generate hook)
+from hf_eagle3.core import cost_model  # noqa: E402
+
+# The cost table the budgets learn into lives in a directory of the run's own, never the user's cache.
+cost_model._TABLE[:] = [cost_model.CostTable(os.path.join(tempfile.mkdtemp(prefix="hf_eagle3_costs_"), "costs.json"))]
 
 TINY = dict(
     vocab_size=256,
@@ -100,9 +101,7 @@ def tiny_records(target, n: int = 24, prompt: int = 8, new: int = 24, seed: int 
 @pytest.fixture(autouse=True)
 def fresh_costs():
     """Every test starts with an empty cost table (what a call learns does not reach the next test)."""
-    from hf_eagle3.core.cost_model import cost_table
-
-    cost_table().reset()
+    cost_model.cost_table().reset()
     yield
 
 

@@ -221,3 +221,31 @@ def test_fixed_budgets_and_plans():
     assert draft.drafting_memory.chain is not None
     draft.drafting_memory.reset()
     assert draft.drafting_memory == DraftingMemory()
+
+
+def test_calibrate_command_times_shows_ships_loads_and_resets(tmp_path, monkeypatch, capsys):
+    """``hf-eagle3 calibrate`` on saved tiny models: it times into this machine's table, ``--out`` writes a copy to
+    ship, ``--show`` prints the table, ``--reset`` forgets it and ``--load`` merges the shipped copy back."""
+    from hf_eagle3 import cli
+
+    monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cost_model, "_TABLE", [])
+    monkeypatch.setattr(cost_model, "TARGET_SIZES", (1, 2))
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=4)
+    target.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    shipped = tmp_path / "shipped.json"
+    assert cli.main(["calibrate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+                     "--contexts", "16,32", "--out", str(shipped)]) == 0
+    table = json.loads((tmp_path / "cache" / "costs.json").read_text())
+    assert table == json.loads(shipped.read_text()) and len(table["entries"]) == 2  # both loops, one row
+    capsys.readouterr()
+    assert cli.main(["calibrate", "--show"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(tmp_path / "cache" / "costs.json")
+    assert cli.main(["calibrate", "--reset"]) == 0
+    assert not (tmp_path / "cache" / "costs.json").exists() and not cost_table().entries
+    assert cli.main(["calibrate", "--load", str(shipped)]) == 0
+    assert json.loads((tmp_path / "cache" / "costs.json").read_text()) == table
+    with pytest.raises(SystemExit, match="positive integers"):
+        cli.main(["calibrate", "--contexts", "0"])

@@ -57,8 +57,8 @@ def calibrate_command(args) -> int:
     print(f"Timing {name} with its target at contexts {contexts} for batch sizes {batch_sizes} ...", file=sys.stderr)
     calibrate(target, draft, batch_sizes=batch_sizes, contexts=contexts, save=False,
               progress=lambda line: print("  " + line, file=sys.stderr))
-    written = table.save(args.out) if args.out else table.save()
-    print(f"Wrote {written}." if written else "The table could not be written (see the warning).")
+    written = [path for path in (table.save(), table.save(args.out) if args.out else None) if path is not None]
+    print(f"Wrote {', '.join(str(p) for p in written)}." if written else "The table stays in memory (see the warning).")
     return 0
 
 
