@@ -83,6 +83,24 @@ def draft_revision(draft_path: str | os.PathLike | None) -> str | None:
     return digest.hexdigest()[:12]
 
 
+def code_commit() -> str | None:
+    """The git commit of the checkout the package runs from (``+dirty`` when it has uncommitted changes), or ``None``
+    outside a git checkout (an installed wheel)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10)
+        if commit.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "hf_eagle3"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def environment_record(target=None, command: str | None = None, draft_path: str | os.PathLike | None = None) -> dict:
     """Where and with what a benchmark ran, as stored under a report's ``"settings"``.
 
@@ -93,7 +111,7 @@ def environment_record(target=None, command: str | None = None, draft_path: str 
 
     Returns:
         ``date``, ``command``, ``cpu``, ``torch_threads``, ``torch_version``, ``transformers_version``,
-        ``hf_eagle3_version``, ``platform``, and with a target ``target_dtype``, ``device``, ``gpu``; with a local
+        ``hf_eagle3_version``, ``code_commit``, ``platform``, and with a target ``target_dtype``, ``device``, ``gpu``; with a local
         draft ``draft_revision``.
     """
     import transformers
@@ -108,6 +126,7 @@ def environment_record(target=None, command: str | None = None, draft_path: str 
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "hf_eagle3_version": hf_eagle3.__version__,
+        "code_commit": code_commit(),
         "platform": platform.platform(),
     }
     if target is not None:

@@ -67,6 +67,21 @@ def test_a_call_times_nothing_beyond_its_rounds(rows, settings, monkeypatch):
                for key in cost_table().entries)
 
 
+def test_a_new_context_length_times_nothing(monkeypatch):
+    """A call at a context length no call has seen (here 300 tokens after a 9-token call) is priced from the costs
+    stored for the shorter one: no forward timed, no round beyond its own."""
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=2)
+    no_timing(monkeypatch)
+    greedy(target, random_prompt(9, seed=3), max_new_tokens=24, assistant_model=draft, **AUTO)
+    seen = counting_forwards(target, monkeypatch)
+    long = random_prompt(300, seed=4)
+    out = greedy(target, long, max_new_tokens=12, assistant_model=draft, **AUTO)
+    assert len(seen) == draft.last_stats.num_target_forwards and seen[0] == 300
+    monkeypatch.undo()
+    assert torch.equal(out, greedy(target, long, max_new_tokens=12))
+
+
 def test_the_first_round_without_costs_is_plain_and_teaches_the_table(monkeypatch, tmp_path):
     """With an empty table the first round after the prefill is the target's own step (its time is the plain step's
     cost); the call leaves its learnt costs in the table and its file, and the next call drafts from its first round."""

@@ -29,7 +29,7 @@ from typing import NamedTuple
 from .batch_tail import ONE_ROW, BatchRows
 from .cost_model import SAMPLES, Eagle3Costs, cost_key, cost_table
 from .drafting_memory import DraftingMemory
-from .draft_length_policy import Eagle3DraftLengthPolicy
+from .draft_length_policy import USUAL_FEED, Eagle3DraftLengthPolicy
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
 from .tree_policy import TreeSizeChooser, auto_most_nodes
 
@@ -215,8 +215,9 @@ class ChainBudget(_LearntCosts):
         if most < 1:
             return PLAIN
         k = self.learning_round(most)
-        if k is None:
-            k = self.policy.choose(most, feed=feed, batch=batch)
+        if k is None:  # a deferred feed (the prompt's, or after plain steps) is priced as a usual one: it is paid
+            # once, whenever drafting resumes, and would otherwise keep drafting off the longer it waits
+            k = self.policy.choose(most, feed=min(feed, USUAL_FEED), batch=batch)
         return RoundPlan(k, 1, k) if k > 0 else PLAIN
 
     def learning_round(self, most: int) -> int | None:
@@ -237,7 +238,8 @@ class ChainBudget(_LearntCosts):
         """See :meth:`Budget.observe`."""
         self.learn(outcome)
         self.policy.observe_rows(list(zip(outcome.drafted, outcome.accepted)))
-        self.policy.observe_time(outcome.plan.total, outcome.seconds, feed=outcome.feed)
+        if outcome.feed <= USUAL_FEED or not outcome.plan.drafts:  # a long feed's round is not the usual pace
+            self.policy.observe_time(outcome.plan.total, outcome.seconds, feed=outcome.feed)
 
     def finish(self, memory: DraftingMemory) -> None:
         """See :meth:`Budget.finish`."""

@@ -26,6 +26,8 @@ PROBE_EVERY = 8  # rounds without a draft before the first probe; doubles after 
 MAX_PROBE_EVERY = 64
 PROBE_BUDGET = 0.02  # a probe's expected loss may be at most this fraction of the time waited since the last one
 PACE_SMOOTHING = 0.2  # exponential smoothing of the measured pace of the rounds (a memory of about 5 rounds)
+PACE_SPIKE = 2.0  # a round counts at most this multiple of the pace so far (a stall is not a pace)
+USUAL_FEED = 8  # positions a feed covers after a round with a draft (more: the prompt's, or one deferred)
 
 def smooth(previous: float | None, value: float, weight: float) -> float:
     """
@@ -348,7 +350,9 @@ class Eagle3DraftLengthPolicy:
         """
         modelled = self.costs.round_seconds(drafted, feed)
         if modelled > 0:
-            self.pace[drafted > 0] = smooth(self.pace[drafted > 0], seconds / modelled, PACE_SMOOTHING)
+            pace, ratio = self.pace[drafted > 0], seconds / modelled
+            self.pace[drafted > 0] = smooth(pace, ratio if pace is None else min(ratio, PACE_SPIKE * pace),
+                                            PACE_SMOOTHING)
         if not drafted:
             self.probes.wait(seconds)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .batch_tail import ONE_ROW, BatchRows
 from .cost_model import interpolate
-from .draft_length_policy import ProbeSchedule, smooth
+from .draft_length_policy import USUAL_FEED, ProbeSchedule, smooth
 
 # Every constant below is a design value (a prior, a statistical convention, a memory length), none chosen by a
 # measurement within a machine's spread.
@@ -20,7 +20,6 @@ SPREAD_FLOOR = 1.0  # the least spread of a row's tokens a round assumed for tha
 # measured round rates (1.0 ran alike: docs/bench_results/2026-12-06_probe_budget_skip_below_1_8rows_float32.json).
 SKIP_BELOW = 0.9
 SMOOTHING = 0.1  # exponential smoothing of the recent rounds' tokens and seconds (a memory of about 10 rounds)
-USUAL_FEED = 8  # positions a feed covers after a round with a tree (more: a feed deferred by rounds without one)
 AUTO_FIRST = 16  # most nodes of the first round's tree (each later round is sized from the previous round's candidates)
 FIRST_COST = 2.0  # the first round's tree costs the target at most this many plain steps
 CARRIED_ROUNDS = 8  # at most this many rounds of a call's evidence carry over to the next call at its batch size
