@@ -8,11 +8,12 @@ Glossary:
 - **feed**: verified positions the draft has not consumed yet (one forward consumes them when the next draft starts).
 - **outcome** (:class:`RoundOutcome`): what a round brought (accepted tokens per row) and took (its timings).
 - **costs**: the seconds of the forwards a round is made of (:class:`~hf_eagle3.core.cost_model.Eagle3Costs`), from
-  the process's :class:`~hf_eagle3.core.cost_model.CostTable` (calibrated ahead of time, or learnt by earlier calls
-  from their rounds) and taught by every round of the call; no call times anything beyond its own rounds.
+  the process's :class:`~hf_eagle3.core.cost_model.CostTable`: calibrated ahead of time, or learnt once from the
+  rounds of the first calls that lacked them; no call times anything beyond its own rounds.
+- **pace**: how much slower (or faster) the call's rounds run than their costs say, per kind of round (the policy's).
 - **probe**: a round drafted to learn, where the current estimate says not to draft.
-- **memory** (:class:`~hf_eagle3.core.drafting_memory.DraftingMemory`): what one call leaves to the next call of the same draft (acceptance
-  estimates, the rows' spread), the one object the draft holds across calls (``draft.drafting_memory``).
+- **memory** (:class:`~hf_eagle3.core.drafting_memory.DraftingMemory`): what one call leaves to the next call of the
+  same draft (acceptance estimates, the rows' spread), the one object the draft holds across calls.
 
 A budget answers :meth:`Budget.plan` before each round and learns from :meth:`Budget.observe` after it;
 :func:`budget_for` builds the one a call's settings ask for: :class:`FixedBudget` (a draft length or tree given),
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .batch_tail import ONE_ROW, BatchRows
-from .cost_model import SAMPLES, Eagle3Costs, cost_key, cost_table
+from .cost_model import Eagle3Costs, cost_key, cost_table
 from .drafting_memory import DraftingMemory
 from .draft_length_policy import USUAL_FEED, Eagle3DraftLengthPolicy
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
@@ -157,7 +158,8 @@ class FixedBudget(Budget):
 
 
 class _LearntCosts(Budget):
-    """A budget that prices rounds with the call's costs, teaches them each round and stores them at the end.
+    """A budget that prices rounds with the call's costs, learns those the table lacks from its rounds and stores
+    them at the end.
 
     Args:
         costs (`Eagle3Costs`): the call's costs (from the table; learnt on).
