@@ -25,6 +25,7 @@ STRATEGIES = {
     "tree 4x4x8": {"tree_top_k": 4, "tree_depth": 4, "tree_total_tokens": 8},
     "tree 4x5x16": {"tree_top_k": 4, "tree_depth": 5, "tree_total_tokens": 16},
     "tree auto 4x5": {"tree_top_k": 4, "tree_depth": 5, "tree_total_tokens": "auto"},
+    "chain auto k<=5": {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "auto"},
 }
 
 
@@ -53,7 +54,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--draft", default=None)
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated names of STRATEGIES")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 

@@ -264,3 +264,19 @@ def test_calibrate_command_times_shows_ships_loads_and_resets(tmp_path, monkeypa
     assert json.loads((tmp_path / "cache" / "costs.json").read_text()) == table
     with pytest.raises(SystemExit, match="positive integers"):
         cli.main(["calibrate", "--contexts", "0"])
+
+
+def test_a_chain_asked_for_wins_over_a_saved_tree(monkeypatch):
+    """A draft that saves a tree (as the shipped one saves tree "auto") still drafts exactly the chain a call asks for:
+    a given ``num_assistant_tokens`` is never overridden by a saved setting."""
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=3)
+    draft.generation_config.tree_top_k, draft.generation_config.tree_depth = 4, 5
+    draft.generation_config.tree_total_tokens = "auto"
+    ids = random_prompt(6, seed=1)
+    ref = greedy(target, ids, max_new_tokens=12)
+    out = greedy(target, ids, max_new_tokens=12, assistant_model=draft, num_assistant_tokens=3)
+    assert torch.equal(out, ref) and draft.last_stats.drafted_per_position == [10, 9, 8]  # 3 a round, chains
+    seen = counting_forwards(target, monkeypatch)
+    assert torch.equal(greedy(target, ids, max_new_tokens=12, assistant_model=draft), ref)  # the saved tree
+    assert any(n > 4 for n in seen[1:])  # a tree round verifies more nodes than a chain of 3 would

@@ -66,11 +66,14 @@ def test_text_generation_pipeline_takes_the_draft(smollm2):
 
 @pytest.mark.slow
 def test_shipped_draft_saved_settings_are_auto_and_lossless(smollm2):
-    """The shipped draft saves num_assistant_tokens_schedule="auto": with nothing else given, generate measures the
-    costs, chooses each round's length (drafting nothing included) and stays token-identical to the target alone."""
+    """The shipped draft saves tree_total_tokens="auto" (top-k 4, depth 5; and num_assistant_tokens_schedule="auto"
+    for a chain asked for): with nothing else given, generate prices its rounds from the cost table (learning what
+    it lacks from its own rounds), sizes each round's tree (drafting nothing included) and stays token-identical to
+    the target alone."""
     target, tok = smollm2
     draft = hf_eagle3.Eagle3DraftModel.from_pretrained(DRAFT, dtype=torch.float32)
     assert draft.generation_config.num_assistant_tokens_schedule == "auto"
+    assert draft.generation_config.tree_total_tokens == "auto" and draft.generation_config.tree_depth == 5
     total = None
     for prompt in PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

@@ -70,7 +70,9 @@ def pop_tree_settings(target, draft, kwargs: dict) -> dict | None:
     """Pop the tree settings from ``generate``'s kwargs and resolve them; ``None`` when no tree was asked for.
 
     Precedence: ``generate`` kwargs, then a ``generation_config`` passed to ``generate``, then
-    ``draft.generation_config``. Settings not given take :data:`TREE_DEFAULTS`.
+    ``draft.generation_config``. Settings not given take :data:`TREE_DEFAULTS`. A chain asked for in the call
+    (``num_assistant_tokens`` or ``num_assistant_tokens_schedule`` given to ``generate``, no ``tree_*``) is a chain,
+    whatever tree the draft saved: a setting given is never overridden by a saved one.
 
     Args:
         target: the target model (its attention implementation is checked).
@@ -88,6 +90,8 @@ def pop_tree_settings(target, draft, kwargs: dict) -> dict | None:
         value = kwargs.pop(key, None)
         if value is not None:
             given[key] = value
+    if not given and any(kwargs.get(key) is not None for key in DRAFT_SETTINGS[:2]):
+        return None  # a chain asked for in the call
     for source in (kwargs.get("generation_config"), getattr(draft, "generation_config", None)):
         for key in TREE_SETTINGS:
             if key not in given and source is not None and getattr(source, key, None) is not None:
