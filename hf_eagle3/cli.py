@@ -60,7 +60,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens (default 96)")
     p.add_argument("--num-assistant-tokens", type=int, default=None,
                    help="a constant draft length k (default: the draft's saved settings; the shipped draft's are "
-                        "num_assistant_tokens_schedule=auto, k <= 5, drafting nothing when it cannot pay)")
+                        "tree_total_tokens=auto, top-k 4, depth 5, drafting nothing when it cannot pay)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     add_model_placement(p)
