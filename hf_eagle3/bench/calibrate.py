@@ -83,8 +83,8 @@ def add_calibrate_parser(subparsers):
     p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes to calibrate (default 1)")
     p.add_argument("--contexts", default=",".join(str(c) for c in CALIBRATION_CONTEXTS),
                    help="comma-separated cache lengths to time at; costs between are interpolated (default %(default)s)")
-    p.add_argument("--out", default=None, help="also write the table to this file (to ship it, or pass it elsewhere)")
-    p.add_argument("--load", default=None, metavar="FILE", help="merge a table written by --out into this machine's")
+    p.add_argument("--out", default=None, help="also write the table to this file, to ship it or pass it elsewhere (default: none)")
+    p.add_argument("--load", default=None, metavar="FILE", help="merge a table written by --out into this machine's (default: none)")
     p.add_argument("--show", action="store_true", help="print the table and where it lives, time nothing")
     p.add_argument("--reset", action="store_true", help="forget every cost and delete the table's file")
     add_model_placement(p)
