@@ -181,8 +181,10 @@ def test_calibrate_fills_the_table_ahead_of_time(tmp_path, monkeypatch):
     events, choose = [], Eagle3DraftLengthPolicy.choose
     monkeypatch.setattr(Eagle3DraftLengthPolicy, "choose",
                         lambda self, *a, **k: events.append("priced") or choose(self, *a, **k))
+    (tmp_path / "costs.json").unlink()
     greedy(target, random_prompt(9, seed=3), max_new_tokens=6, assistant_model=draft, num_assistant_tokens=1, **AUTO)
     assert len(events) == draft.last_stats.num_target_forwards - 2  # every round priced but the last (no room)
+    assert not (tmp_path / "costs.json").exists()  # nothing learnt: nothing written
 
 
 class FakeClock:

@@ -171,6 +171,11 @@ class _LearntCosts(Budget):
 
     def __init__(self, costs: Eagle3Costs, key: str, context: int):
         self.costs, self.key, self.context = costs, key, context
+        self.known = self._known()  # what the table gave the call (learnt costs are added to it, never changed)
+
+    def _known(self) -> tuple:
+        """How many costs of each kind are known."""
+        return len(self.costs.target), len(self.costs.draft_feed), self.costs.draft_step is not None
 
     def learn(self, outcome: RoundOutcome, chain: bool = True) -> None:
         """
@@ -188,8 +193,8 @@ class _LearntCosts(Budget):
                          step_seconds=outcome.draft_seconds - outcome.feed_seconds, relative=chain)
 
     def store(self) -> None:
-        """Put the call's learnt costs back in the process's table and its file."""
-        if self.costs.target:
+        """Put the costs the call learnt back in the process's table and its file (nothing learnt: nothing written)."""
+        if self._known() != self.known:
             table = cost_table()
             table.store(self.key, self.context, self.costs)
             table.save()

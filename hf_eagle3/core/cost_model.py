@@ -6,8 +6,8 @@ A round that drafts ``k`` tokens costs one draft forward over the positions the 
 ran (the "feed", which also proposes the first token), ``k - 1`` further draft steps and a target forward over
 ``k + 1`` tokens. A round that drafts nothing is a plain target step (the feed is deferred to the next round that
 drafts). The table's entries come from two places: :func:`calibrate` times every forward ahead of time, at two
-context lengths (``hf-eagle3 calibrate``), and every timed round of a call teaches the call's costs what its own
-forwards took (:meth:`Eagle3Costs.learn`), which the call writes back when it ends. Costs at a context length
+context lengths (``hf-eagle3 calibrate``), and a call that lacks a cost learns it once from its own rounds
+(:meth:`Eagle3Costs.learn`) and writes it back when it ends. Costs at a context length
 between or beyond those stored are interpolated linearly in the context length. What decides from these costs how
 much to draft is :mod:`hf_eagle3.core.budget`.
 """
@@ -196,10 +196,6 @@ class Eagle3Costs:
         if known and nodes in self.target:
             return SAMPLES + 1
         return len(self.seen.get(("target", nodes), ()))
-
-    def copy(self) -> "Eagle3Costs":
-        """An independent copy (a call learns on its own copy of the table's costs)."""
-        return Eagle3Costs(dict(self.target), dict(self.draft_feed), self.draft_step)
 
     def target_seconds(self, n: int) -> float:
         """
