@@ -123,6 +123,12 @@ def test_the_table_persists_and_reloads(tmp_path):
         CostTable(tmp_path / "bad.json")
     again.reset()
     assert not path.exists() and again.costs("k", 512).target == {}
+    blocked = CostTable(tmp_path / "a-file" / "costs.json")  # its folder cannot be made: warned once, nothing left
+    (tmp_path / "a-file").write_text("")
+    blocked.store("k", 300, Eagle3Costs({1: 0.1}, {}, None))
+    with pytest.warns(UserWarning, match="HF_EAGLE3_CACHE"):
+        assert blocked.save() is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "bad.json"]
 
 
 def test_costs_are_interpolated_across_context_lengths():

@@ -557,12 +557,14 @@ class CostTable:
                 key: {str(c): {"target": {str(n): s for n, s in sorted(v["target"].items())},
                                "feed": {str(m): s for m, s in sorted(v["feed"].items())}, "step": v["step"]}
                       for c, v in sorted(buckets.items())} for key, buckets in sorted(self.entries.items())}}
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
             temporary.write_text(json.dumps(data, indent=1))
             os.replace(temporary, path)
         except OSError as error:
+            if temporary.is_file():  # a half-written file is not left behind
+                temporary.unlink()
             if not self._warned:
                 warnings.warn(f"hf-eagle3 could not write its cost table to {path} ({error}); costs stay in memory "
                               "for this process. Set HF_EAGLE3_CACHE to a writable directory.", stacklevel=2)
