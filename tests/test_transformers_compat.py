@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-from conftest import cached_draft, cached_target, random_prompt, tiny_draft
-from transformers import AutoConfig, AutoModelForCausalLM
+from conftest import cached_draft, cached_target, random_prompt, tiny_draft, tiny_target
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from hf_eagle3 import Eagle3CandidateGenerator
 from hf_eagle3.core import transformers_compat as compat
@@ -90,6 +90,89 @@ def test_user_hidden_states_are_kept_on_the_protocol_path():
     assert torch.equal(out.sequences, target.generate(ids, do_sample=False, **kwargs).sequences)
     layers = target.config.num_hidden_layers + 1
     assert all(len(step) == layers and all(h is not None for h in step) for step in out.hidden_states)
+
+
+# ------------------------------------------------------------------------------------ the hidden states read
+def layer_inputs(target, ids) -> list:
+    """The input of every decoder layer of ``target`` in one forward of ``ids``, taken by forward pre-hooks."""
+    seen = {}
+
+    def keep(i):
+        def hook(module, args, kwargs):
+            seen[i] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+        return hook
+
+    handles = [layer.register_forward_pre_hook(keep(i), with_kwargs=True)
+               for i, layer in enumerate(target.model.layers)]
+    try:
+        with torch.no_grad():
+            target(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [seen[i] for i in range(len(target.model.layers))]
+
+
+def check_hidden_state_meaning(target, ids, layer_ids) -> None:
+    """
+    What the package reads from a forward's outputs (``Eagle3OutputFeatures``), as ``AssertionError`` when a release
+    means something else: ``outputs.hidden_states[i]`` is the input of decoder layer ``i`` (0: the embeddings) for
+    ``output_hidden_states=True``, and, on releases that select hidden states, for the non-negative ids the package
+    passes as ``output_hidden_states=[i, j, k]`` too, indexed by those ids (not packed), so that the features are
+    the same as the hooks'.
+    """
+    n = target.config.num_hidden_layers
+    inputs = layer_inputs(target, ids)
+    with torch.no_grad():
+        full = target(ids, output_hidden_states=True).hidden_states
+    assert len(full) == n + 1, f"output_hidden_states=True gave {len(full)} states for {n} layers"
+    for i in range(n):
+        assert torch.equal(full[i], inputs[i]), f"output_hidden_states=True: state {i} is not the input of layer {i}"
+    capture = Eagle3OutputFeatures(layer_ids, n)
+    asked = capture.model_kwargs_overrides(GenerationConfig())["output_hidden_states"]
+    if not compat.SELECTS_HIDDEN_STATES:
+        assert asked is True or all(i >= 0 for i in asked)
+        return
+    assert asked == sorted(layer_ids) and all(i >= 0 for i in asked)  # never a negative id
+    with torch.no_grad():
+        selected = target(ids, output_hidden_states=asked)
+    hidden = selected.hidden_states
+    for i in asked:
+        assert i < len(hidden) and hidden[i] is not None, f"output_hidden_states={asked}: no state at index {i}"
+        assert torch.equal(hidden[i], inputs[i]), f"output_hidden_states={asked}: state {i} is not the input of layer {i}"
+    capture.receive(selected)
+    assert torch.equal(capture.features(), torch.cat([inputs[i] for i in sorted(layer_ids)], dim=-1))
+
+
+@pytest.mark.parametrize("layer_ids", [[0, 2, 5], [1, 3, 4], [3, 4, 5]], ids=["embeddings", "middle", "last-layer"])
+def test_hidden_state_i_is_the_input_of_decoder_layer_i(layer_ids):
+    """Pins the meaning of ``output_hidden_states`` the package relies on (an open upstream change rewrites how the
+    selected ids resolve and adds ``last_hidden_state``): fails loudly on a release where it changes."""
+    check_hidden_state_meaning(cached_target("llama"), random_prompt(7, seed=12), layer_ids)
+
+
+# Packing concerns only the selected states (releases that select them); a shift concerns every release.
+CHANGED_MEANINGS = ["packed", "shifted"] if compat.SELECTS_HIDDEN_STATES else ["shifted"]
+
+
+@pytest.mark.parametrize("change", CHANGED_MEANINGS)
+def test_the_hidden_state_pin_catches_a_changed_meaning(monkeypatch, change):
+    """Negative control of the pin: a release whose selected states came packed (state ``i`` of ``[i, j, k]`` at
+    position 0, 1, 2) or shifted by one (the output of layer ``i`` at index ``i``) fails it."""
+    target = tiny_target("llama")
+    forward = target.model.forward
+
+    def changed(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if out.hidden_states is not None and change == "packed":
+            out.hidden_states = tuple(h for h in out.hidden_states if h is not None)
+        elif out.hidden_states is not None:
+            out.hidden_states = out.hidden_states[1:] + (out.hidden_states[-1],)
+        return out
+
+    monkeypatch.setattr(target.model, "forward", changed)
+    with pytest.raises(AssertionError, match="is not the input of layer|no state at index"):
+        check_hidden_state_meaning(target, random_prompt(7, seed=12), [1, 3, 4])
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
@@ -281,8 +364,6 @@ def test_chain_on_a_static_cache(arch):
 def test_static_sliding_cache_past_its_window_is_refused_before_work():
     """Gemma 3's static sliding layers (window 16) roll back while the static cache fits in the window; a cache past
     the window is refused before any target forward."""
-    from conftest import tiny_target
-
     target = tiny_target("gemma3")
     target.generation_config.eos_token_id = None
     draft = tiny_draft(target)

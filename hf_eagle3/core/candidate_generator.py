@@ -89,6 +89,9 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         self.d2t = Eagle3D2TLogitsProcessor(draft.d2t, draft.config.vocab_size)
         self.logits_processor = logits_processor if logits_processor is not None else []
         self.do_sample = bool(generation_config.do_sample)
+        # Static-ensemble verification (Transformers >= 5.25) weighs the draft's distribution in, greedy too: the
+        # candidate logits are then returned whether sampling or not.
+        self.ensemble = getattr(generation_config, "assistant_ensemble_weight", None) is not None
         self.max_length = generation_config.max_length
         self.num_assistant_tokens = int(num_assistant_tokens)
         self.schedule = num_assistant_tokens_schedule
@@ -126,7 +129,8 @@ class Eagle3CandidateGenerator(CandidateGenerator):
 
         Return:
             `(candidate_input_ids, candidate_logits)`: the sequence followed by the drafted tokens, and (when
-            sampling) the processed draft scores over the target vocabulary `(1, k, vocab_size)`, else `None`.
+            sampling, or with ``assistant_ensemble_weight``) the processed draft scores over the target vocabulary
+            `(1, k, vocab_size)`, else `None`.
         """
         started = self._mark()
         cur_len = input_ids.shape[1]
@@ -196,14 +200,15 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         self._round_from = ended
 
     def _select(self, seq: torch.LongTensor, draft_scores: torch.FloatTensor):
-        """Pick the next draft token (target id) from draft-vocabulary scores; return it and the processed scores."""
-        if not self.do_sample and not self.logits_processor:
+        """Pick the next draft token (target id) from draft-vocabulary scores; return it and the processed scores
+        (``None`` when greedy without ``assistant_ensemble_weight``: Transformers' loop then compares tokens only)."""
+        if not self.do_sample and not self.logits_processor and not self.ensemble:
             return self.d2t.map_tokens(draft_scores.argmax(-1)), None
         scores = self.d2t(seq, draft_scores.float())
         for processor in self.logits_processor:  # greedy too, as Transformers' assisted decoding does
             scores = processor(seq, scores)
         if not self.do_sample:
-            return scores.argmax(-1), None
+            return scores.argmax(-1), (scores if self.ensemble else None)
         token = torch.multinomial(scores.softmax(-1), num_samples=1)[:, 0]
         return token, scores
 

@@ -124,6 +124,51 @@ def check_batch_call(target, args: tuple, kwargs: dict) -> None:
                          "(left padding) to generate, so that the padding stays masked.")
 
 
+def check_prompt(ids, kwargs: dict) -> None:
+    """
+    Refuse, before any work, a prompt of no tokens (``input_ids`` of shape ``[B, 0]``): the target has no position to
+    start from (plain ``generate`` fails on it too) and the draft no token to pair with the target's first features.
+    ``generate`` called without ``input_ids`` starts from the BOS token and is not refused.
+
+    Args:
+        ids (`torch.Tensor` or `None`): ``generate``'s prompt ids (positional, ``input_ids`` or ``inputs``).
+        kwargs (`dict`): ``generate``'s keyword arguments.
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dim() == 0 or ids.shape[-1] > 0:
+        return
+    embeds = (" (`inputs_embeds` is given, but EAGLE-3 still needs the prompt's token ids)"
+              if kwargs.get("inputs_embeds") is not None else "")
+    raise ValueError(
+        f"EAGLE-3 decoding got an empty prompt: input_ids of shape {tuple(ids.shape)}{embeds}. Pass at least one "
+        "token per row (e.g. the tokenizer's BOS token: `input_ids=torch.tensor([[tokenizer.bos_token_id]])`), or "
+        "call generate without input_ids to start from the model's BOS token."
+    )
+
+
+def check_ensemble_weight(generation_config, tree: bool, batched: bool) -> None:
+    """
+    Refuse, before any target forward, ``assistant_ensemble_weight`` (Transformers >= 5.25: lossy static-ensemble
+    verification) in the package's loop, whose acceptance of trees and batches is lossless only. Batch-1 chains run
+    in Transformers' loop, which honours it.
+
+    Args:
+        generation_config (`GenerationConfig`): the call's prepared config.
+        tree (`bool`): the call drafts trees.
+        batched (`bool`): the call has more than one row.
+    """
+    weight = getattr(generation_config, "assistant_ensemble_weight", None)
+    if weight is None:
+        return
+    what = " and ".join(name for name, asked in (("trees", tree), ("batches", batched)) if asked)
+    fix = " and ".join(step for step, needed in (("generate one row at a time", batched),
+                                                 ("drop the tree_* settings", tree)) if needed)
+    raise ValueError(
+        f"assistant_ensemble_weight={weight} (static-ensemble verification) is not implemented for EAGLE-3 {what}, "
+        f"which verify losslessly: {fix} (batch-1 chain drafting honours it), or set assistant_ensemble_weight=None "
+        "for lossless verification."
+    )
+
+
 def chain_feature_source(draft) -> str:
     """
     Where chain drafting takes the target's features: ``"outputs"`` (Transformers hands the target's selected hidden
@@ -157,6 +202,7 @@ def _eagle3_generate(original):
                 "EAGLE-3 decoding needs the prompt's token ids (the draft pairs each target feature with the next "
                 "token): pass `input_ids` too (the target still reads `inputs_embeds` for the prompt)."
             )
+        check_prompt(ids, kwargs)
         if kwargs.get("prompt_lookup_num_tokens") is not None:
             raise ValueError("Pass either `assistant_model` (an EAGLE-3 draft) or `prompt_lookup_num_tokens`, not both.")
         tree = pop_tree_settings(self, draft, kwargs)  # removes the tree_* kwargs; validates before any work
@@ -250,6 +296,7 @@ def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
     batched = named["input_ids"].shape[0] > 1
     if not batched and getattr(call, "tree", None) is None:
         return original(model, *args, **kwargs)
+    check_ensemble_weight(named["generation_config"], getattr(call, "tree", None) is not None, batched)
     recurrent = compat.recurrent_layers(cache_entry(named["model_kwargs"])[1])
     if recurrent:
         fix = ("generate one row at a time (chain drafting rolls such layers back)" if batched else

@@ -29,6 +29,29 @@ from .settings import SAVED_DRAFT_SETTINGS
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
+def check_d2t(d2t: torch.Tensor, vocab_size: int, source: str = "This EAGLE-3 draft") -> None:
+    """
+    Raise ``ValueError`` unless ``d2t`` maps every draft token inside the target vocabulary: draft token ``j`` is
+    target token ``j + d2t[j]``, which must lie in ``[0, vocab_size)``. Loading a checkpoint and binding a draft to a
+    target (``generate``) both ask this, so a draft built in memory is held to what a loaded one is.
+
+    Args:
+        d2t (`torch.LongTensor` [draft_vocab_size]): the offsets from draft ids to target ids.
+        vocab_size (`int`): the target's vocabulary size.
+        source (`str`, *optional*): what to call the draft in the message (a checkpoint's path when loading).
+    """
+    targets = torch.arange(d2t.shape[0], device=d2t.device) + d2t.long()
+    bad = (targets < 0) | (targets >= vocab_size)
+    if bool(bad.any()):
+        j = int(bad.long().argmax())
+        raise ValueError(
+            f"{source}: d2t maps draft tokens outside the target vocabulary [0, {vocab_size}) ({int(bad.sum())} of "
+            f"{d2t.shape[0]}; draft token {j} -> target token {int(targets[j])}). Draft token j is target token "
+            "j + d2t[j]: set `d2t` to the mapping the draft was trained with (hf-eagle3's trainer writes it), or use "
+            "a draft made for this target's vocabulary."
+        )
+
+
 def wants_static_steps(config) -> bool:
     """
     Whether a compile config asks for drafting steps of static shapes: ``dynamic=False``, or a mode that captures CUDA
@@ -145,6 +168,7 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self._target_embedding = None
         self._target_head = None  # (weight rows of the draft vocabulary,) for a draft without lm_head
         self._compiled_steps = {}  # (step function, compile options) -> compiled step (see step_call)
+        self._d2t_checked = None  # (the d2t tensor, its version, the vocabulary) that check_d2t last passed
         self.static_kv_buffers = {}  # the static draft caches' buffers by size, reused by every call (static_steps)
         self.last_stats = None
         self.last_batch_stats = None
@@ -182,9 +206,12 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
             target (`PreTrainedModel`): the target model.
 
         Raises:
-            ValueError: (naming the fix) when the target's hidden size or vocabulary does not fit, or when the
-                draft has no embedding and the target's has another width.
+            ValueError: (naming the fix) when the draft's weights are on the meta device (never loaded), when the
+                target's hidden size or vocabulary does not fit, when ``d2t`` maps outside that vocabulary, or when
+                the draft has no embedding and the target's has another width. A refused draft keeps what it
+                was bound to before.
         """
+        self.check_materialized()
         text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         t_hidden = getattr(text, "hidden_size", None)
         if t_hidden != self.config.target_hidden_size:
@@ -200,6 +227,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                 f"{type(target).__name__} has vocab_size {getattr(text, 'vocab_size', None)}: the draft was made for "
                 "another target (tokenizer). Use a draft trained for this target."
             )
+        self._check_d2t()
+        emb = None
         if not hasattr(self, "embed_tokens"):
             emb = target.get_input_embeddings()
             if emb is None or emb.weight.shape[-1] != self.config.hidden_size:
@@ -208,9 +237,31 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
                     f"{None if emb is None else emb.weight.shape[-1]} differs from the draft's hidden size "
                     f"{self.config.hidden_size}. Load a checkpoint that includes `embed_tokens.weight`."
                 )
-            self._target_embedding = (emb,)  # a tuple: shared, not registered as a submodule nor saved
         if not hasattr(self, "lm_head"):
             self._bind_target_head(target)
+        if emb is not None:
+            self._target_embedding = (emb,)  # a tuple: shared, not registered as a submodule nor saved
+
+    def check_materialized(self) -> None:
+        """
+        Raise ``ValueError`` naming the fix when a weight or buffer of the draft is on the meta device: a draft built
+        under ``torch.device("meta")`` (or moved there) has shapes but no values, and cannot draft.
+        """
+        meta = [name for name, tensor in [*self.named_parameters(), *self.named_buffers()] if tensor.is_meta]
+        if meta:
+            raise ValueError(
+                f"This EAGLE-3 draft's weights are on the meta device (shapes without values: {', '.join(meta[:3])}"
+                f"{', ...' if len(meta) > 3 else ''}), so it cannot draft. Load them: "
+                "`Eagle3DraftModel.from_pretrained(path, device_map=...)`, or `draft.to_empty(device=...)` followed "
+                "by `draft.load_checkpoint_state_dict(state_dict)`."
+            )
+
+    def _check_d2t(self) -> None:
+        """:func:`check_d2t` on the draft's ``d2t``, once per value (a changed or replaced ``d2t`` is checked again)."""
+        d2t, checked = self.d2t, self._d2t_checked
+        if checked is None or checked[0] is not d2t or checked[1:] != (d2t._version, self.config.vocab_size):
+            check_d2t(d2t, self.config.vocab_size)
+            self._d2t_checked = (d2t, d2t._version, self.config.vocab_size)
 
     def _bind_target_head(self, target) -> None:
         """For a draft without ``lm_head``: take the target's output head, restricted to the draft vocabulary."""
@@ -564,9 +615,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         if "d2t" not in full:
             full["d2t"] = torch.zeros(vd, dtype=torch.long)
         d2t = full["d2t"].long()
+        check_d2t(d2t, v, source)
         targets = torch.arange(vd) + d2t
-        if targets.min() < 0 or targets.max() >= v:
-            raise ValueError(f"{source}: d2t maps draft tokens outside the target vocabulary [0, {v}).")
         if "t2d" not in full:
             t2d = torch.zeros(v, dtype=torch.bool)
             t2d[targets] = True
