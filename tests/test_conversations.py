@@ -226,3 +226,23 @@ def test_prepare_cli_refuses_bad_settings_before_loading_the_target(tmp_path):
         main(["prepare", "--prompts", str(data), "--out", str(tmp_path / "out"), "--answers", "given",
               "--features-dir", str(tmp_path / "f")])
     assert not (tmp_path / "out").exists() and not (tmp_path / "f").exists()
+
+
+def test_bad_bytes_are_a_bad_row_and_a_byte_order_mark_is_read_past(tmp_path):
+    """One row with a byte that is not UTF-8 is skipped and counted with its line, like any bad row (the other rows
+    are read); a UTF-8 byte order mark before the first row is not part of it."""
+    rows = [json.dumps(r).encode() for r in CHAT]
+    bad = json.dumps({"id": "latin", "prompt": "caf\u00e9?"}, ensure_ascii=False).encode("latin-1")  # 0xe9
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\n".join([b"\xef\xbb\xbf" + rows[0], rows[1], bad, rows[2], rows[3]]) + b"\n")
+    convs, summary = read_conversations(path)
+    assert [c["id"] for c in convs] == ["chat", "share", "one", "bench"]
+    assert summary.read == 5 and summary.kept == 4
+    reason = "not UTF-8 text (re-save the file as UTF-8)"
+    assert dict(summary.skipped) == {reason: 1} and summary.first[reason].endswith("d.jsonl:3")
+    assert summary.lines() == ["4 conversation(s) of 5 row(s) read, 1 skipped:", f"  1 x {reason} (first: {path}:3)"]
+    (tmp_path / "d.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(CHAT).encode())  # a JSON document with a BOM
+    assert [c["id"] for c in read_conversations(tmp_path / "d.json")[0]] == ["chat", "share", "one", "bench"]
+    (tmp_path / "bad.json").write_bytes(b"[\n" + rows[0] + b",\n" + bad + b"\n]")  # one document: refused whole
+    with pytest.raises(ValueError, match=r"bad\.json:3: .*not UTF-8.*re-save it as UTF-8"):
+        read_conversations(tmp_path / "bad.json")

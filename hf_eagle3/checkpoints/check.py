@@ -284,9 +284,12 @@ def format_report(report: dict) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     """Run ``hf-eagle3 check``: 0 when the pair fits, 1 when it does not (or cannot be loaded)."""
+    from ..core.modeling_eagle3 import Eagle3DraftModel
+
     try:
+        draft = Eagle3DraftModel.from_pretrained(args.draft)  # a draft that cannot be read: refused before the target
         target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device, tokenizer="optional")
-        report = check_draft(args.draft, target, tokenizer, num_prompts=args.num_prompts,
+        report = check_draft(draft, target, tokenizer, draft_path=args.draft, num_prompts=args.num_prompts,
                              max_new_tokens=args.max_new_tokens, k=args.k, measure=not args.no_measure)
     except (ValueError, OSError) as err:
         print(f"hf-eagle3 check: error: {err}", file=sys.stderr)

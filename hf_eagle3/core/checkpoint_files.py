@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 import torch
 
@@ -65,12 +66,30 @@ def resolve_file(path: str, filename: str, hub: dict, optional: bool = False):
     )
 
 
+class CheckpointFileError(OSError):
+    """A weight file that cannot be read; the message names the file and the fix."""
+
+
 def _load_file(file: str) -> dict:
+    """The tensors of one weight file; raises :class:`CheckpointFileError` naming the file and the fix when they
+    cannot be read. A torch file is read as tensors only: pickled objects in it are refused, never run."""
     if file.endswith(".safetensors"):
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(file)
-    return torch.load(file, map_location="cpu", weights_only=True)
+        try:
+            return load_file(file)
+        except SafetensorError as err:
+            raise CheckpointFileError(
+                f"{file} cannot be read ({err}): the file is truncated or damaged. Fix: download it again (delete it, "
+                "or pass force_download=True, for a Hub draft) or re-save the draft with save_pretrained.") from None
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError):  # torch's text is not shown: it suggests
+        raise CheckpointFileError(  # loading the file with its code run
+            f"{file} cannot be read as tensors alone: it holds pickled Python objects besides its tensors (they are "
+            "never loaded, since unpickling can run code), or it is truncated or damaged. Fix: save the draft as "
+            "model.safetensors (save_pretrained) where it was made, or download it again.") from None
 
 
 def read_state_dict(path: str, hub: dict) -> dict:

@@ -182,6 +182,7 @@ def cmd_train(args) -> None:
         raise SystemExit(f"{features_dir} holds no features (no target_head.pt): drop --skip-features, or point "
                          "--features-dir at the directory `hf-eagle3 prepare --features-dir` wrote.")
     head = torch.load(features_dir / "target_head.pt", weights_only=False)
+    torch.manual_seed(args.seed)  # before the draft is built: its new layers are drawn from torch's generator
     if args.init_draft:  # continue from a trained draft (its vocabulary mapping and layer ids win)
         from ..core.modeling_eagle3 import Eagle3DraftModel
         from .trainer import check_draft_matches_features
@@ -424,8 +425,9 @@ def register(subparsers) -> None:
     t.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"],
                    help="autocast of training (default auto: bf16 on GPUs and CPUs with bf16 hardware, no elsewhere)")
     t.add_argument("--seed", type=int, default=0,
-                   help="seed of the shard and batch order and of torch while training (default 0); a run that "
-                        "continues a draft for part of a pass sees other shards first with a new seed")
+                   help="seed of the draft's new layers, of the shard and batch order and of torch while training "
+                        "(default 0): two runs with one seed give the same draft; a run that continues a draft for "
+                        "part of a pass sees other shards first with a new seed")
     t.add_argument("--save-every", type=int, default=100, help="checkpoint every N optimiser steps (default 100)")
     t.add_argument("--max-steps", type=int, default=0, help="stop after N optimiser steps (default 0: no limit)")
     t.add_argument("--max-minutes", type=float, default=0.0,

@@ -9,14 +9,15 @@ Accepted rows (JSON Lines, a JSON file holding a list of rows, a ``datasets`` fo
 - one prompt: ``{"prompt": str}``; user turns only: ``{"turns": [str, ...]}`` (MT-bench's layout).
 
 A row's id is its ``"id"`` (or ``"question_id"``), else its position in the source. A row that cannot be used (an
-empty turn, an unknown role, no user turn, a system prompt after the first message, an id seen before, not JSON) is a
-:class:`BadRow`: :func:`read_conversations` counts and skips it and says why in its :class:`ReadSummary`, so that a
-long job never stops halfway on one bad row. Rows the target's chat template cannot render are counted the same way
-by :func:`check_template`.
+empty turn, an unknown role, no user turn, a system prompt after the first message, an id seen before, not JSON, a
+byte that is not UTF-8) is a :class:`BadRow`: :func:`read_conversations` counts and skips it and says why in its
+:class:`ReadSummary`, so that a long job never stops halfway on one bad row. Rows the target's chat template cannot
+render are counted the same way by :func:`check_template`. A UTF-8 byte order mark before a row is read past.
 """
 
 from __future__ import annotations
 
+import codecs
 import collections
 import json
 import os
@@ -107,9 +108,15 @@ def _rows(source: str | os.PathLike, split: str):
     """Yield ``(where, row)`` pairs of ``source`` (a row that is not JSON comes as ``(where, BadRow)``)."""
     path = Path(source)
     if path.is_file() and path.suffix in (".jsonl", ".json"):
-        text = path.read_text()
-        stripped = text.lstrip()
-        if path.suffix == ".json" or stripped.startswith("["):
+        raw = path.read_bytes().removeprefix(codecs.BOM_UTF8)  # a byte order mark is no part of the first row
+        if path.suffix == ".json" or raw.lstrip().startswith(b"["):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                line = raw[: err.start].count(b"\n") + 1
+                raise ValueError(f"{path}:{line}: byte 0x{raw[err.start]:02x} is not UTF-8 text, and a JSON document "
+                                 "is read whole: re-save it as UTF-8 (or give one row a line as .jsonl, where such a "
+                                 "row is skipped)") from None
             try:
                 data = json.loads(text)
             except json.JSONDecodeError as err:
@@ -119,11 +126,16 @@ def _rows(source: str | os.PathLike, split: str):
             for i, row in enumerate(data):
                 yield f"{path}:row {i}", row
             return
-        for i, line in enumerate(text.splitlines()):
+        for i, line in enumerate(raw.splitlines()):  # bytes: a bad byte spoils its own row only
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{i + 1}", json.loads(line)
+                text = line.removeprefix(codecs.BOM_UTF8).decode("utf-8")
+            except UnicodeDecodeError:
+                yield f"{path}:{i + 1}", BadRow("not UTF-8 text (re-save the file as UTF-8)")
+                continue
+            try:
+                yield f"{path}:{i + 1}", json.loads(text)
             except json.JSONDecodeError:
                 yield f"{path}:{i + 1}", BadRow("not JSON")
         return

@@ -14,7 +14,9 @@ stopped; rows that cannot be used are counted, skipped and summarised, never fat
 With ``features_dir``, the same generation also writes the draft's training features (what
 :func:`hf_eagle3.training.features.cache_features` computes with a second pass over the data): the target computes
 every position's hidden states while it answers anyway, so hooks keep them, at the cost of one forward fewer per
-record. Each batch becomes one feature shard; the last token of a response (never fed back) is left out.
+record. Each batch becomes one feature shard; the last token of a response (never fed back) is left out. A batch's
+responses and its shard are one commit (the shard is written under a pending name, then the responses, then the shard
+is renamed into place), and a rerun drops, and reports, a half that was left without the other by a kill.
 """
 
 from __future__ import annotations
@@ -48,6 +50,100 @@ def _shards(out_dir: str | os.PathLike) -> list[Path]:
 def _own_files(directory: Path, prefix: str, suffix: str) -> list[Path]:
     """Files ``{prefix}NNNNN{suffix}`` of ``directory`` (``prefix`` "responses-" does not match "responses-p1-...")."""
     return [p for p in directory.glob(f"{prefix}*{suffix}") if p.name[len(prefix) : -len(suffix)].isdigit()]
+
+
+def _next_file(directory: Path, prefix: str, suffix: str) -> Path:
+    """The next free ``{prefix}NNNNN{suffix}`` of ``directory``: one past the highest number there (a file dropped
+    from the middle never gets its number reused by a file that would then overwrite a later one)."""
+    numbers = [int(p.name[len(prefix) : -len(suffix)]) for p in _own_files(directory, prefix, suffix)]
+    return directory / f"{prefix}{max(numbers, default=-1) + 1:05d}{suffix}"
+
+
+PENDING = ".pending"
+"""Suffix of a feature shard written but not yet committed (renamed into place once its responses are on disk)."""
+
+
+def _record_keys(path: Path) -> list[tuple[str, int]] | None:
+    """The ``(id, turn)`` of every record of feature shard ``path`` (memory-mapped: no tensor is read), or ``None``
+    when it cannot be read (a write that was cut)."""
+    try:
+        items = torch.load(path, weights_only=False, mmap=True)
+    except Exception:  # a shard whose write was cut: torch raises what its reader hits (RuntimeError, EOFError, ...)
+        return None
+    return [(item["id"], item.get("turn", 0)) for item in items]
+
+
+def _drop_unpaired(out: Path, features: Path, prefix: str, shard_prefix: str, wanted: set,
+                   done: dict) -> tuple[int, int]:
+    """Make a batch's responses and its feature records both present or both absent again after an interrupted run,
+    among this process's files; return ``(feature records dropped, responses dropped)``.
+
+    A batch's shard is written as ``*.pt.pending`` before its responses and renamed into place after them, so a
+    pending shard marks a batch that was never committed: it is removed, with its responses. A committed feature
+    record that is a second copy, or whose turn is one of ``wanted`` without a response (``done``), is removed from
+    its shard. The turns dropped are answered again; ``done`` is updated.
+
+    Args:
+        out: the responses directory.
+        features: the feature shards' directory.
+        prefix: this process's response file prefix (``"responses-"``, ``"responses-p1-"``).
+        shard_prefix: this process's shard prefix (``"shard-"``, ``"shard-p1-"``).
+        wanted: the ``(id, turn)`` this process answers.
+        done: ``{(id, turn): response_ids}`` read from ``out``.
+    """
+    if not features.is_dir():
+        return 0, 0
+    n_features = n_responses = 0
+    uncommitted = set()
+    for pending in _own_files(features, shard_prefix, ".pt" + PENDING) + _own_files(features, shard_prefix, ".tmp"):
+        keys = _record_keys(pending) or []
+        uncommitted.update(keys)
+        n_features += len(keys)
+        pending.unlink()
+    if uncommitted and out.is_dir():
+        for path in _own_files(out, prefix, ".jsonl"):
+            lines = path.read_bytes().splitlines(keepends=True)
+            kept = []
+            for line in lines:
+                try:
+                    row = json.loads(line)
+                    key = (row["id"], row.get("turn", 0))
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    kept.append(line)  # a line cut by a kill: kept as it is (readers skip it)
+                    continue
+                if key in uncommitted:
+                    done.pop(key, None)
+                    n_responses += 1
+                else:
+                    kept.append(line)
+            if len(kept) < len(lines):
+                if kept:
+                    tmp = path.with_name(path.name + ".tmp")
+                    tmp.write_bytes(b"".join(kept))
+                    tmp.replace(path)
+                else:
+                    path.unlink()
+    seen = set()
+    for path in sorted(_own_files(features, shard_prefix, ".pt")):
+        keys = _record_keys(path)
+        if keys is None:
+            continue
+        unpaired = set()
+        for j, key in enumerate(keys):
+            if key in seen or (key in wanted and key not in done):
+                unpaired.add(j)
+            seen.add(key)
+        if not unpaired:
+            continue
+        n_features += len(unpaired)
+        items = [item for j, item in enumerate(torch.load(path, weights_only=False)) if j not in unpaired]
+        if items:
+            tmp = path.with_name(path.name + ".tmp")
+            torch.save(items, tmp)
+            tmp.replace(path)
+        else:
+            path.unlink()
+    return n_features, n_responses
 
 
 def iter_records(out_dir: str | os.PathLike) -> Iterable[dict]:
@@ -161,6 +257,8 @@ def prepare(
     if answers == "given" and features_dir is not None:
         raise ValueError("features are captured while the target answers; with answers='given' nothing is "
                          "generated: drop features_dir (--features-dir) and let `train` compute the features.")
+    if features_dir is not None:
+        layer_ids = _feature_layer_ids(model, features_dir, layer_ids)
     conversations, summary = read_conversations(prompts_path, max_prompts, split)
     regenerate = answers == "regenerate"
     usable = []
@@ -184,6 +282,12 @@ def prepare(
     done = done_turns(out) if out.exists() else {}
     part = f"p{shard_index}-" if num_shards > 1 else ""  # file names of this process's share
     prefix = f"responses-{part}"
+    if features_dir is not None:  # after _feature_layer_ids has checked that the directory is this run's
+        wanted = {(c["id"], t) for c in mine for t in range(user_turns(c))}
+        dropped = _drop_unpaired(out, Path(features_dir), prefix, f"shard-{part}", wanted, done)
+        if any(dropped):
+            log(f"{features_dir}: dropped {dropped[0]} feature record(s) and {dropped[1]} response(s) (in {out}) "
+                "without their partner, left by an interrupted run; their turns are answered again")
     if not regenerate:
         rows = []
         for c in mine:
@@ -193,14 +297,14 @@ def prepare(
                 log(f"skipped {prompts_path}:id {c['id']}: {bad}")
         if rows:
             out.mkdir(parents=True, exist_ok=True)
-            with open(out / f"{prefix}{len(_own_files(out, prefix, '.jsonl')):05d}.jsonl", "a") as f:
+            with open(_next_file(out, prefix, ".jsonl"), "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
         return out
     pending = sum(user_turns(c) for c in mine) - sum(1 for c in mine for t in range(user_turns(c)) if (c["id"], t) in done)
     if not pending:  # everything answered already: write nothing (no empty shard, no features directory)
         return out
     out.mkdir(parents=True, exist_ok=True)
-    shard = out / f"{prefix}{len(_own_files(out, prefix, '.jsonl')):05d}.jsonl"
+    shard = _next_file(out, prefix, ".jsonl")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     bar = None
     if progress:
@@ -264,13 +368,18 @@ def prepare(
                         resp = _cut_at_eos(gen[i, width:].tolist(), eos)
                         n_tokens += len(resp)
                         rows.append({"id": cid, "turn": turn, "prompt_ids": ids, "response_ids": resp})
-                    if recorder is not None:  # the shard first: a crash in between regenerates the batch, never loses it
+                    # One commit per batch: the feature shard is written under a pending name, then the responses,
+                    # then the shard is renamed into place. A rerun after a kill in between drops both halves.
+                    pending_shard = None
+                    if recorder is not None:
                         with torch.inference_mode():
-                            recorder.write_shard(rows, width)
+                            pending_shard = recorder.write_shard(rows, width)
                     for row in rows:
                         f.write(json.dumps(row) + "\n")
                         done[row["id"], turn] = row["response_ids"]
                     f.flush()
+                    if pending_shard is not None:
+                        recorder.commit(pending_shard)
                     if bar is not None:
                         bar.update(len(batch))
                         bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.1f}")
@@ -287,6 +396,20 @@ def prepare(
     return out
 
 
+def _feature_layer_ids(model, features_dir, layer_ids: list[int] | None) -> list[int]:
+    """The capture indices features are written with (``layer_ids``, else ``[2, N // 2, N - 3]``); raises a
+    ``ValueError`` when ``features_dir`` holds features of other layers."""
+    from ..core.configuration_eagle3 import default_feature_layer_ids
+    from ..core.feature_capture import find_decoder_layers
+
+    if layer_ids is None:
+        layer_ids = default_feature_layer_ids(len(find_decoder_layers(model)))
+    meta = Path(features_dir) / "meta.json"
+    if meta.exists() and json.loads(meta.read_text()).get("layer_ids") != list(layer_ids):
+        raise ValueError(f"{meta} was written with other layer ids than {list(layer_ids)}: use another features_dir.")
+    return list(layer_ids)
+
+
 class _GenerationFeatureRecorder(LogitsProcessor):
     """Keeps, at every decoding step of a batched ``generate``, the step's captured features, final hidden states
     and the argmax of the scores (a logits processor that changes nothing), and writes them as a feature shard.
@@ -301,19 +424,14 @@ class _GenerationFeatureRecorder(LogitsProcessor):
     """
 
     def __init__(self, model, features_dir, layer_ids, dtype, max_prompt_tokens, prefix: str = "shard-"):
-        from ..core.configuration_eagle3 import default_feature_layer_ids
-        from ..core.feature_capture import Eagle3FeatureCapture, find_decoder_layers
+        from ..core.feature_capture import Eagle3FeatureCapture
         from .features import save_target_head
 
-        if layer_ids is None:
-            layer_ids = default_feature_layer_ids(len(find_decoder_layers(model)))
-        self.layer_ids = list(layer_ids)
+        self.layer_ids = _feature_layer_ids(model, features_dir, layer_ids)
         self.capture = Eagle3FeatureCapture(model, self.layer_ids)  # checks the ids before anything is written
         self.out = Path(features_dir)
         self.prefix = prefix
         meta = self.out / "meta.json"
-        if meta.exists() and json.loads(meta.read_text()).get("layer_ids") != self.layer_ids:
-            raise ValueError(f"{meta} was written with other layer ids than {self.layer_ids}: use another features_dir.")
         self.out.mkdir(parents=True, exist_ok=True)
         if not (self.out / "target_head.pt").exists():
             save_target_head(model, self.out)
@@ -353,7 +471,16 @@ class _GenerationFeatureRecorder(LogitsProcessor):
         return scores
 
     def write_shard(self, rows: list[dict], width: int) -> Path:
-        """Write the batch's records (``rows``, left padded to ``width`` prompt positions) as the next shard."""
+        """Write the batch's records as the next shard, under its pending name (``shard-NNNNN.pt.pending``, which
+        training never reads); :meth:`commit` puts it in place once the batch's responses are written.
+
+        Args:
+            rows: the batch's records (``{"id", "turn", "prompt_ids", "response_ids"}``).
+            width: the prompt positions of the batch (prompts are left padded to it).
+
+        Returns:
+            The pending shard's path.
+        """
         feats = torch.cat(self.features, dim=1)  # positions 0 .. width + steps - 2 (the last token is never fed)
         finals = torch.cat(self.finals, dim=1)
         step_argmax = torch.stack(self.argmax, dim=1)  # argmax at positions width - 1 .. width + steps - 2
@@ -387,11 +514,23 @@ class _GenerationFeatureRecorder(LogitsProcessor):
                 "last_hidden": final.clone(),
                 "target_argmax": argmax,
             })
-        path = self.out / f"{self.prefix}{len(_own_files(self.out, self.prefix, '.pt')):05d}.pt"
-        tmp = path.with_suffix(".tmp")
-        torch.save(items, tmp)
-        tmp.replace(path)
+        pending = _next_file(self.out, self.prefix, ".pt")
+        pending = pending.with_name(pending.name + PENDING)
+        torch.save(items, pending)
         self.start()
+        return pending
+
+    def commit(self, pending: Path) -> Path:
+        """Rename the shard :meth:`write_shard` wrote to ``pending`` into place (the batch's commit).
+
+        Args:
+            pending: what :meth:`write_shard` returned.
+
+        Returns:
+            The shard's path.
+        """
+        path = pending.with_name(pending.name[: -len(PENDING)])
+        pending.replace(path)
         return path
 
     def close(self) -> None:

@@ -109,7 +109,16 @@ def draft_config_for_target(head_config: dict, draft_vocab_size: int, **override
 def init_draft(config: Eagle3Config, head: dict, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3DraftModel:
     """A new draft for training: random layer, ``lm_head`` initialised from the target's rows of the draft
     vocabulary, ``fc`` initialised to pass the highest captured feature through, vocabulary mapping set. Its saved
-    draft-length setting is ``num_assistant_tokens_schedule="auto"`` (see docs/cost_model.md)."""
+    draft-length setting is ``num_assistant_tokens_schedule="auto"`` (see docs/cost_model.md). The layer is drawn
+    from torch's generator: seed it first (``torch.manual_seed``, as ``hf-eagle3 train --seed`` does) for the same
+    draft every run.
+
+    Args:
+        config: the draft's configuration (:func:`draft_config_for_target`).
+        head: the target head of the features (``target_head.pt``: ``lm_head`` rows are copied from it).
+        d2t: draft-to-target vocabulary offsets.
+        t2d: target-to-draft membership mask.
+    """
     draft = Eagle3DraftModel(config)
     draft.generation_config.num_assistant_tokens_schedule = "auto"
     with torch.no_grad():
@@ -205,6 +214,10 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     The target's embedding (frozen) comes from ``features_dir/target_head.pt``. A rerun with the same
     ``out_dir`` resumes from ``out_dir/checkpoint.pt`` (model, optimiser, schedule and data position).
 
+    A rerun on a finished run (its checkpoint is at the end that ``cfg`` sets: ``epochs``, ``max_steps`` or
+    ``max_minutes``) trains nothing: it says so, naming the setting to raise, and returns the run's weights. A resumed
+    run's ``log.jsonl`` holds each step once (the records past the checkpoint are dropped and written again).
+
     Launched on several processes (``accelerate launch --num_processes N``, ``torchrun``), every process reads the
     same shuffled batch order and takes one batch of each round of N (data parallel: one optimiser step = N batches),
     the main process's clock drives the schedule and the time budget everywhere, and only the main process writes
@@ -290,6 +303,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
 
     sched = torch.optim.lr_scheduler.LambdaLR(parallel.optimizer, lambda s: _lr_factor(s, progress(s), cfg))
     step, start_epoch, skip = 0, 0, 0
+    finished = None  # (why, the option that continues) when the checkpoint is a run's end
     ckpt = out / "checkpoint.pt"
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
@@ -302,12 +316,17 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
         sched.load_state_dict(state["scheduler"])
         step, start_epoch, skip = state["step"], state["epoch"], state["batches_done"]
         clock["offset"] = clock["now"] = state.get("elapsed", 0.0)
-        if main:
+        finished = _finished(step, start_epoch, clock["now"], cfg)
+        if main and finished:
+            log(f"{out} holds a finished run ({finished[0]}, step {step}): nothing is trained, its weights are "
+                f"returned as they are. To train further raise {finished[1]}, or start in a new --out.")
+        elif main:
             log(f"resumed from {ckpt} at step {step} (epoch {start_epoch}, batch {skip})")
     embed = embed.to(accelerator.device)
     unwrapped._target_embedding = (embed,)
-    if main:
+    if main and not finished:
         (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+        _drop_logged_steps_after(out / "log.jsonl", step)  # the steps after the checkpoint are trained again
     t0 = clock["start"] = time.time()
     tokens_seen = 0
     selection = _Selection(out, data, cfg, draft, embed) if cfg.select_by == "holdout" and main else None
@@ -350,7 +369,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
 
     ended = None
     with open(out / "log.jsonl", "a") if main else contextlib.nullcontext() as logf:
-        for epoch in range(start_epoch, cfg.epochs):
+        for epoch in range(start_epoch, cfg.epochs if not finished else start_epoch):
             for batches_done, micro in rounds(epoch):
                 if epoch == start_epoch and batches_done <= skip:
                     continue
@@ -408,7 +427,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
                 break
             skip = 0
             save(epoch + 1, 0)
-    if main:
+    if main and not finished:
         if ended is None:
             ended = f"epochs done ({cfg.epochs} epoch(s), {step} step(s))"
             if cfg.max_minutes:
@@ -417,6 +436,11 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
         log(f"training ended: {ended}")
     accelerator.wait_for_everyone()  # no process leaves (and tears down) while another is still in a collective
     weights = parallel.model_state()  # the last weights, on every process (a collective under FSDP)
+    if finished and selection is not None and step not in _scored_steps(out / "log.jsonl"):
+        score = selection.score(weights, step)  # a kill between the last checkpoint and its score: score it now
+        if score is not None:
+            with open(out / "log.jsonl", "a") as logf:
+                logf.write(json.dumps({"step": step, "holdout_acceptance_length": round(score, 4)}) + "\n")
     replaced = False  # whether the weights to return are not the trained module's own
     if cfg.select_by == "holdout":  # the main process chose; every process returns the chosen weights
         changed = torch.tensor([0], device=accelerator.device)
@@ -437,6 +461,54 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     final = final.cpu().eval()
     final._target_embedding = None
     return final
+
+
+def _finished(step: int, epoch: int, seconds: float, cfg: TrainConfig) -> tuple[str, str] | None:
+    """Whether a checkpoint at ``step``, ``epoch`` and ``seconds`` of training is the end of a run with ``cfg``:
+    ``(why, the options that train further)``, else ``None``."""
+    ends = []
+    if epoch >= cfg.epochs:
+        ends.append((f"epochs done (--epochs {cfg.epochs})", "--epochs"))
+    if cfg.max_steps and step >= cfg.max_steps:
+        ends.append((f"max steps reached (--max-steps {cfg.max_steps})", "--max-steps"))
+    if cfg.max_minutes and seconds > cfg.max_minutes * 60:
+        ends.append((f"time budget reached (--max-minutes {cfg.max_minutes:g})", "--max-minutes"))
+    if not ends:
+        return None
+    return " and ".join(why for why, _ in ends), " and ".join(option for _, option in ends)
+
+
+def _scored_steps(path: Path) -> set[int]:
+    """The steps whose held-out score ``path`` (``log.jsonl``) holds."""
+    steps = set()
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "holdout_acceptance_length" in record:
+            steps.add(record.get("step"))
+    return steps
+
+
+def _drop_logged_steps_after(path: Path, step: int) -> None:
+    """Remove the records of ``path`` (``log.jsonl``) past ``step``, and any line a kill cut, so that a run resumed
+    at ``step`` logs each step once."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step):
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
 
 
 class _Selection:
@@ -484,6 +556,12 @@ class _Selection:
             return "select_by holdout: no checkpoint was scored; the last weights are returned", None
         last = self.scored.get(step)
         chosen = self.best["step"]
+        written = self.path.parent / "selection.json"
+        if last is None and self.best["step"] == step:
+            last = self.best["score"]
+        elif last is None and written.exists():  # a finished run's rerun scores nothing: keep the score it wrote
+            before = json.loads(written.read_text())
+            last = before.get("last_score") if before.get("last_step") == step else None
         (self.path.parent / "selection.json").write_text(json.dumps(
             {"selected_step": chosen, "selected_score": self.best["score"], "last_step": step, "last_score": last,
              "metric": f"held-out mean acceptance length, greedy chain of {self.k}"}, indent=2))
