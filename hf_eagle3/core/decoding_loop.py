@@ -246,7 +246,8 @@ class _Loop:
         self.masked = False  # one row: whether its prompt has masked positions
 
     def _features(self) -> torch.Tensor:
-        """The target features of its last forward, on the draft's device and in its dtype (the capture cleared)."""
+        """The target features of the call's last forward (run through ``capture.forward``), on the draft's device and
+        in its dtype (the capture cleared)."""
         weight = self.draft_model.fc.weight
         features = self.capture.features(weight.device, weight.dtype)
         self.capture.clear()
@@ -259,7 +260,8 @@ class _Loop:
     def prefill(self) -> None:
         """The padded prompts in one forward: each row's first token, and its prompt's features for its draft."""
         input_ids, processors = self.input_ids, self.processors
-        last = prefill(self.model, input_ids, self.model_kwargs, self.cache, self.max_length + self.budget.most + 1)
+        last = prefill(self.model, input_ids, self.model_kwargs, self.cache, self.max_length + self.budget.most + 1,
+                       forward=self.capture.forward)
         self.cache.crop(0)  # sliding layers back to their window
         scores = processors(input_ids, last) if processors is not None else last
         first = torch.multinomial(scores.softmax(-1), 1)[:, 0] if self.do_sample else scores.argmax(-1)
@@ -346,7 +348,8 @@ class _Loop:
                                        self.valid[0] if self.masked else None, self.dtype)
         else:
             mask = batch_tree_mask(self.cache, self.valid, trees, nodes, self.dtype)
-        outputs = self.model(
+        outputs = self.capture.forward(
+            self.model,
             input_ids=torch.stack([_padded(t.tokens, nodes) for t in trees]).to(device),
             position_ids=self.positions[:, None] + depths,
             attention_mask=mask,

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -140,15 +142,16 @@ class Eagle3RowCache:
 
     A **static** cache (``static_buffers`` given: the steps run under a compile config that asks for static shapes or
     captures CUDA graphs) never reallocates: its buffers come from ``static_buffers`` (kept by the draft and reused by
-    every call of the same size, so their addresses do not change), drafting steps write at columns given as device
-    tensors and attend over the full capacity with a mask, so every step of a call has the same shapes and reads no
-    Python number that changes. Feeds, which run eagerly, still attend over the columns in use only.
+    every call of the same size in the same thread, so their addresses do not change; a call running at the same time
+    in another thread gets buffers of its own, as it gets CUDA graphs of its own), drafting steps write at columns
+    given as device tensors and attend over the full capacity with a mask, so every step of a call has the same shapes
+    and reads no Python number that changes. Feeds, which run eagerly, still attend over the columns in use only.
 
     Args:
         rows (`int`): batch size.
         capacity (`int`): columns to preallocate (a dynamic cache grows when a forward writes past them).
         window (`int`, *optional*): the draft's sliding window the masks are built for.
-        static_buffers (`dict`, *optional*): makes the cache static; holds the buffers by size between calls.
+        static_buffers (`dict`, *optional*): makes the cache static; holds the buffers by size and thread between calls.
     """
 
     def __init__(self, rows: int, capacity: int, window: int | None = None, static_buffers: dict | None = None):
@@ -245,8 +248,8 @@ class Eagle3RowCache:
         self.keys, self.values, self.capacity = keys, values, capacity
 
     def _take_static(self, k: torch.Tensor) -> None:
-        """The pooled buffers of this size (made, zeroed and marked static on first use)."""
-        key = (self.rows, k.shape[1], self.capacity, k.shape[3], k.dtype, str(k.device))
+        """The pooled buffers of this size and thread (made, zeroed and marked static on first use)."""
+        key = (self.rows, k.shape[1], self.capacity, k.shape[3], k.dtype, str(k.device), threading.get_ident())
         if key not in self.static_buffers:
             keys = k.new_zeros(self.rows, k.shape[1], self.capacity, k.shape[3])
             values = keys.clone()

@@ -1,10 +1,15 @@
-"""Capture the target's hidden states that feed an EAGLE-3 draft, with forward pre-hooks.
+"""The target's hidden states that feed an EAGLE-3 draft, one capture per ``generate`` call: taken from the outputs of
+the forwards the call runs (:class:`Eagle3OutputFeatures`), or with forward pre-hooks that keep only the forwards of the
+thread that installed them (:class:`Eagle3FeatureCapture`). Either way nothing of a call is kept on the target, so
+calls running at the same time on one target (two threads) each read their own forwards' features.
 
 Feature i is the INPUT of decoder layer i (``output_hidden_states[i]``),
 so any decoder whose layer list can be found works without changing its code.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import nn
@@ -82,7 +87,9 @@ def checked_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
 
 
 class Eagle3FeatureCapture:
-    """Forward pre-hooks on three decoder layers of a target that keep their inputs from the latest forward.
+    """Forward pre-hooks on three decoder layers of a target that keep their inputs from the latest forward run by the
+    thread that installed them (forwards of other threads, e.g. another ``generate`` call on the same target, are not
+    seen).
 
     Use as a context manager, or call :meth:`install` / :meth:`remove`. Hooks are removed by :meth:`remove` even
     when only some were installed.
@@ -99,9 +106,12 @@ class Eagle3FeatureCapture:
         self.layer_ids = checked_layer_ids(layer_ids, len(self.layers))
         self._captured: list[torch.Tensor | None] = [None] * len(layer_ids)
         self._handles = []
+        self._thread = None  # the thread whose forwards are captured (the one that installed the hooks)
 
     def _hook(self, slot: int):
         def hook(module, args, kwargs):
+            if threading.get_ident() != self._thread:
+                return  # a forward of another thread: another call on the same target
             hidden = args[0] if args else kwargs.get("hidden_states")
             if isinstance(hidden, (tuple, list)):
                 hidden = hidden[0]
@@ -110,8 +120,9 @@ class Eagle3FeatureCapture:
         return hook
 
     def install(self) -> "Eagle3FeatureCapture":
-        """Register the hooks (idempotent)."""
+        """Register the hooks (idempotent); they capture the forwards of the calling thread."""
         if not self._handles:
+            self._thread = threading.get_ident()
             try:
                 for slot, i in enumerate(self.layer_ids):
                     self._handles.append(self.layers[i].register_forward_pre_hook(self._hook(slot), with_kwargs=True))
@@ -151,6 +162,19 @@ class Eagle3FeatureCapture:
         """Forget the captured tensors (keeps the hooks)."""
         self._captured = [None] * len(self.layer_ids)
 
+    def forward(self, model, **inputs):
+        """
+        Run a target forward whose features this capture keeps (the hooks see it: nothing to add).
+
+        Args:
+            model (`PreTrainedModel`): the target the hooks are on.
+            **inputs: the forward's arguments.
+
+        Returns:
+            The target's outputs.
+        """
+        return model(**inputs)
+
     def __enter__(self):
         return self.install()
 
@@ -165,7 +189,9 @@ class Eagle3OutputFeatures:
 
     Hidden state ``i`` of ``output_hidden_states`` is the input of decoder layer ``i`` (state 0: the embeddings), the
     feature the hooks take; :attr:`model_kwargs_overrides` asks the target for just those states (a list of indices,
-    Transformers >= 5.25), or for all of them when the user's ``generate`` call asks for hidden states too.
+    Transformers >= 5.25), or for all of them when the user's ``generate`` call asks for hidden states too. The
+    package's loop (trees, batches) runs its target forwards through :meth:`forward`, which asks for them and keeps
+    them. The states travel with the outputs, so concurrent calls on one target never see each other's.
 
     Args:
         layer_ids (`list[int]`): three layer indices; concatenated in ascending order, as by the hooks.
@@ -186,6 +212,22 @@ class Eagle3OutputFeatures:
         if generation_config.output_hidden_states:
             return {"output_hidden_states": True}
         return {"output_hidden_states": list(self.layer_ids)}
+
+    def forward(self, model, **inputs):
+        """
+        Run a target forward that returns the selected hidden states (whatever ``output_hidden_states`` ``inputs``
+        hold: the package's loop returns none to the user) and keep them (:meth:`receive`).
+
+        Args:
+            model (`PreTrainedModel`): the target.
+            **inputs: the forward's arguments.
+
+        Returns:
+            The target's outputs.
+        """
+        outputs = model(**{**inputs, "output_hidden_states": list(self.layer_ids)})
+        self.receive(outputs)
+        return outputs
 
     def receive(self, model_outputs) -> None:
         """

@@ -1,7 +1,7 @@
 """The one place that hooks Transformers' ``generate``: while an EAGLE-3 draft is the ``assistant_model`` of a call,
-``generate`` installs the feature capture on the target, ``_get_candidate_generator`` returns the chain drafter
-(:class:`~hf_eagle3.core.candidate_generator.Eagle3CandidateGenerator`) and ``_assisted_decoding`` runs the package's
-loop (:func:`~hf_eagle3.core.decoding_loop.eagle3_decoding`) for trees and for batches (see
+``generate`` makes the call's own feature capture (:func:`feature_source`), ``_get_candidate_generator`` returns the
+chain drafter (:class:`~hf_eagle3.core.candidate_generator.Eagle3CandidateGenerator`) and ``_assisted_decoding`` runs
+the package's loop (:func:`~hf_eagle3.core.decoding_loop.eagle3_decoding`) for trees and for batches (see
 :func:`route_assisted_decoding`). Every other call of ``generate`` is left exactly as it was.
 
 :func:`install_generate_hook` installs the three patches (idempotent); the package's ``__init__`` calls it, and so
@@ -69,14 +69,14 @@ def use_drafting(chain=None, drafter=None, features=None):
     of :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`, for the package's loop: trees, and chains in
     batches) instead of the defaults: how
     benchmarks swap in instrumented drafting (e.g. ``hf-eagle3 bench --oracle``) without another code path.
-    ``features="hooks"`` makes chain drafting take the target's features from forward hooks even where Transformers
-    can hand them over (how the two sources are compared); ``"outputs"`` asks for the protocol and fails on releases
-    that lack it.
+    ``features="hooks"`` makes every call take the target's features from forward hooks even where the target's
+    outputs can hold them (how the two sources are compared); ``"outputs"`` asks for the outputs and fails on releases
+    that cannot select hidden states.
 
     Args:
         chain (`type`, *optional*): the chain candidate generator class.
         drafter (`type`, *optional*): the drafter class of the package's loop.
-        features (`str`, *optional*): ``"outputs"`` or ``"hooks"`` (default: see :func:`chain_feature_source`).
+        features (`str`, *optional*): ``"outputs"`` or ``"hooks"`` (default: see :func:`feature_source`).
     """
     if features is not None and features not in FEATURE_SOURCES:
         raise ValueError(f"features={features!r}: choose one of {FEATURE_SOURCES}.")
@@ -169,12 +169,13 @@ def check_ensemble_weight(generation_config, tree: bool, batched: bool) -> None:
     )
 
 
-def chain_feature_source(draft) -> str:
+def feature_source(draft) -> str:
     """
-    Where chain drafting takes the target's features: ``"outputs"`` (Transformers hands the target's selected hidden
-    states to the candidate generator, ``requires_model_outputs``; releases that select hidden states by index) unless
+    Where a call takes the target's features: ``"outputs"`` (the target's forwards return the selected hidden states,
+    on releases that select hidden states by index: Transformers hands them to the chain drafter,
+    ``requires_model_outputs``, and the package's loop reads them from the forwards it runs) unless
     :func:`use_drafting` asks for ``"hooks"`` or the draft names the target's layer list (``target_layers_path``);
-    else ``"hooks"`` (forward pre-hooks on three decoder layers).
+    else ``"hooks"`` (forward pre-hooks on three decoder layers that keep only the calling thread's forwards).
 
     Args:
         draft (`Eagle3DraftModel`): the call's draft.
@@ -209,8 +210,7 @@ def _eagle3_generate(original):
         draft.bind_target(self)
         layers = find_decoder_layers(self, draft.config.target_layers_path)
         layer_ids = draft.config.resolve_feature_layer_ids(len(layers))
-        chain = tree is None and (batch is None or batch == 1)
-        if chain and chain_feature_source(draft) == "outputs":
+        if feature_source(draft) == "outputs":
             capture = Eagle3OutputFeatures(layer_ids, len(layers))
         else:
             capture = Eagle3FeatureCapture(self, layer_ids, draft.config.target_layers_path)

@@ -24,6 +24,7 @@ from .draft_layers import Eagle3DecoderLayer, Eagle3RMSNorm
 from .drafting_memory import DraftingMemory
 from .rope import rope_attention_scaling, rope_inv_freq
 from .settings import SAVED_DRAFT_SETTINGS
+from .stats import StatsBoard
 
 # torch.compile modes that capture CUDA graphs (they need the same shapes at every call).
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -137,8 +138,9 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     After each ``generate`` call, :attr:`last_stats` holds that call's acceptance statistics (summed over the rows
     of a batch), :attr:`last_batch_stats` one per row, and :attr:`cumulative_stats` the sum over calls since
-    :meth:`reset_stats`; :attr:`drafting_memory` (:class:`~hf_eagle3.core.drafting_memory.DraftingMemory`) what the call's
-    budget leaves to the next call.
+    :meth:`reset_stats` (threads sharing the draft each read their own latest call: see
+    :class:`~hf_eagle3.core.stats.StatsBoard`); :attr:`drafting_memory`
+    (:class:`~hf_eagle3.core.drafting_memory.DraftingMemory`) what the call's budget leaves to the next call.
 
     Args:
         config (`Eagle3Config`): the draft's configuration.
@@ -169,10 +171,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         self._target_head = None  # (weight rows of the draft vocabulary,) for a draft without lm_head
         self._compiled_steps = {}  # (step function, compile options) -> compiled step (see step_call)
         self._d2t_checked = None  # (the d2t tensor, its version, the vocabulary) that check_d2t last passed
-        self.static_kv_buffers = {}  # the static draft caches' buffers by size, reused by every call (static_steps)
-        self.last_stats = None
-        self.last_batch_stats = None
-        self.cumulative_stats = None
+        self.static_kv_buffers = {}  # the static draft caches' buffers by size and thread, reused by the thread's calls
+        self._stats = StatsBoard()  # last_stats, last_batch_stats, cumulative_stats
         self.drafting_memory = DraftingMemory()  # what one call's budget leaves to the next
         self.post_init()
         self.generation_config = GenerationConfig(
@@ -310,8 +310,8 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         """
         Whether the drafting steps run with static shapes: compiled under a config that asks for them (see
         :func:`wants_static_steps`). Their caches are then :class:`~hf_eagle3.core.draft_cache.Eagle3RowCache` s of a
-        fixed capacity whose buffers are kept in :attr:`static_kv_buffers` and reused by every call of that size (the
-        same addresses, as CUDA graphs need).
+        fixed capacity whose buffers are kept in :attr:`static_kv_buffers` and reused by every call of that size in
+        the same thread (the same addresses, as CUDA graphs need).
         """
         config = self._step_compile_config()
         return config is not None and wants_static_steps(config)
@@ -470,16 +470,40 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         return Eagle3DraftOutput(logits=logits, hidden_states=out)
 
     # ------------------------------------------------------------------------------------------------------- stats
+    @property
+    def last_stats(self):
+        """The `Eagle3Stats` of the latest ``generate`` call (summed over its rows) that the calling thread made with
+        this draft (of any thread when it made none); ``None`` before any call."""
+        return self._stats.view()[0]
+
+    @last_stats.setter
+    def last_stats(self, value) -> None:
+        self._stats.assign(last=value)
+
+    @property
+    def last_batch_stats(self):
+        """One `Eagle3Stats` per row of the call :attr:`last_stats` describes; ``None`` before any call."""
+        return self._stats.view()[1]
+
+    @last_batch_stats.setter
+    def last_batch_stats(self, value) -> None:
+        self._stats.assign(rows=value)
+
+    @property
+    def cumulative_stats(self):
+        """The `Eagle3Stats` summed over every call (of every thread) since :meth:`reset_stats`."""
+        return self._stats.cumulative
+
+    @cumulative_stats.setter
+    def cumulative_stats(self, value) -> None:
+        self._stats.cumulative = value
+
     def reset_stats(self) -> None:
         """Forget the statistics accumulated over previous ``generate`` calls."""
-        self.last_stats = None
-        self.last_batch_stats = None
-        self.cumulative_stats = None
+        self._stats.reset()
 
     def _record_stats(self, stats, rows: list | None = None) -> None:
-        self.last_stats = stats
-        self.last_batch_stats = list(rows) if rows is not None else [stats]
-        self.cumulative_stats = stats if self.cumulative_stats is None else self.cumulative_stats + stats
+        self._stats.record(stats, list(rows) if rows is not None else [stats])
 
     # ----------------------------------------------------------------------------------------------------- saving
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 
@@ -130,6 +132,70 @@ class Eagle3Stats:
         """One line on the drafting rounds: how many drafted, their mean length, how many drafted nothing."""
         return (f"rounds drafted: {self.num_drafts} (mean k {self.mean_draft_length:.2f}), rounds without a draft: "
                 f"{self.num_rounds_without_draft}")
+
+
+_THREAD = threading.local()  # per thread: its latest published statistics, by board (weak keys)
+_LOCK = threading.Lock()  # guards every board's latest and cumulative statistics
+
+_KEEP = object()
+
+
+class StatsBoard:
+    """
+    Where a draft publishes the statistics of its ``generate`` calls (``draft.last_stats``, ``last_batch_stats``,
+    ``cumulative_stats`` read it). A thread reads the latest call it made itself with the draft, so that threads
+    sharing one draft each read their own call's statistics; a thread that made none reads the latest call of any
+    thread. The cumulative statistics sum every call of every thread since the last :meth:`reset`.
+    """
+
+    def __init__(self):
+        self.latest = (None, None)  # (the sum over the rows, one per row) of the latest call of any thread
+        self.cumulative = None
+        self.epoch = 0  # raised by reset: what threads published before it is forgotten
+
+    @staticmethod
+    def _mine() -> weakref.WeakKeyDictionary:
+        boards = getattr(_THREAD, "boards", None)
+        if boards is None:
+            boards = _THREAD.boards = weakref.WeakKeyDictionary()
+        return boards
+
+    def view(self) -> tuple:
+        """``(last, rows)`` as the calling thread reads them (see the class)."""
+        mine = self._mine().get(self)
+        return mine[1:] if mine is not None and mine[0] == self.epoch else self.latest
+
+    def record(self, stats: Eagle3Stats, rows: list) -> None:
+        """
+        Publish a call's statistics (the calling thread's latest call, and the latest of any thread).
+
+        Args:
+            stats (`Eagle3Stats`): the sum over the call's rows.
+            rows (`list[Eagle3Stats]`): one per row.
+        """
+        with _LOCK:
+            self.latest = (stats, list(rows))
+            self._mine()[self] = (self.epoch, *self.latest)
+            self.cumulative = stats if self.cumulative is None else self.cumulative + stats
+
+    def assign(self, last=_KEEP, rows=_KEEP) -> None:
+        """
+        Set what the calling thread (and a thread that made no call) reads, as a caller restoring statistics does.
+
+        Args:
+            last (`Eagle3Stats` or `None`, *optional*): the sum over the rows.
+            rows (`list[Eagle3Stats]` or `None`, *optional*): one per row.
+        """
+        with _LOCK:
+            seen = self.view()
+            self.latest = (seen[0] if last is _KEEP else last, seen[1] if rows is _KEEP else rows)
+            self._mine()[self] = (self.epoch, *self.latest)
+
+    def reset(self) -> None:
+        """Forget every call's statistics, in every thread."""
+        with _LOCK:
+            self.latest, self.cumulative = (None, None), None
+            self.epoch += 1
 
 
 def publish_stats(draft, rows: list, budget=None, spread: float | None = None) -> Eagle3Stats:

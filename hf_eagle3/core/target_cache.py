@@ -159,7 +159,7 @@ def decoding_cache(model_kwargs: dict, generation_config, loop: str) -> tuple[st
     return key, cache
 
 
-def prefill(model, input_ids: torch.LongTensor, model_kwargs: dict, cache, capacity: int) -> torch.Tensor:
+def prefill(model, input_ids: torch.LongTensor, model_kwargs: dict, cache, capacity: int, forward=None) -> torch.Tensor:
     """
     The target's first forward, over the prompt(s), which fills ``cache``, whose full-attention layers then move into
     buffers of ``capacity`` columns (:func:`preallocate`); returns the float32 logits at the last position ``[B, V]``
@@ -171,11 +171,14 @@ def prefill(model, input_ids: torch.LongTensor, model_kwargs: dict, cache, capac
         model_kwargs (`dict`): the prepared model kwargs (cache, attention mask, ...).
         cache (`DynamicCache`): the cache among them, checked again once its layers exist.
         capacity (`int`): columns to preallocate per layer.
+        forward (`Callable`, *optional*): runs the forward as ``forward(model, **inputs)`` (the call's feature
+            capture's ``forward``, which keeps its features); default ``model(**inputs)``.
     """
     model_inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
     if "logits_to_keep" in model_inputs:
         model_inputs["logits_to_keep"] = 1
-    logits = model(**model_inputs).logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
+    outputs = forward(model, **model_inputs) if forward is not None else model(**model_inputs)
+    logits = outputs.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
     check_tree_cache(cache)  # layers are created lazily by the first forward
     preallocate(cache, capacity)
     return logits
