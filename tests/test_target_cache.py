@@ -109,3 +109,101 @@ def test_sliding_window_layers_keep_their_own_storage():
     assert kinds == {"PreallocatedLayer", "DynamicSlidingWindowLayer"}
     assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_new_tokens=30))
     assert target_cache.sliding_window(out.past_key_values) == 16
+
+
+VIEWS = {"aten.view.default", "aten.slice.Tensor", "aten.select.int", "aten.alias.default", "aten.detach.default",
+         "aten.lift_fresh.default", "aten.expand.default", "aten.unsqueeze.default"}
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten operations run inside the block that are more than views (kernels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) not in VIEWS:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _filled_cache(num_layers: int, rows: int = 1, length: int = 6, seed: int = 0):
+    """A cache of ``num_layers`` full-attention layers after a prefill of ``length`` entries, preallocated."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = DynamicCache()
+    for i in range(num_layers):
+        cache.update(torch.randn(rows, 2, length, 4, generator=generator),
+                     torch.randn(rows, 2, length, 4, generator=generator), i)
+    target_cache.preallocate(cache, capacity=32)
+    return cache
+
+
+def _round(cache, nodes: int, seed: int = 1):
+    """A verify forward of ``nodes`` entries per layer; returns every layer's keys and values after it (copies)."""
+    generator = torch.Generator().manual_seed(seed)
+    for layer in cache.layers:
+        rows = layer.keys.shape[0]
+        layer.update(torch.randn(rows, 2, nodes, 4, generator=generator), torch.randn(rows, 2, nodes, 4,
+                                                                                       generator=generator))
+    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def test_one_commit_for_all_layers():
+    counts = {}
+    for num_layers in (2, 7):
+        cache = _filled_cache(num_layers)
+        assert target_cache.pooled(cache) is not None
+        before = _round(cache, nodes=5)
+        with _Ops() as ops:
+            target_cache.gather_cache(cache, [0, 2, 3], 5)
+        counts[num_layers] = len(ops.ops)
+        for layer, (keys, values) in zip(cache.layers, before):  # what a per-layer gather keeps
+            assert torch.equal(layer.keys, torch.cat([keys[:, :, :6], keys[:, :, [6, 8, 9]]], dim=2))
+            assert torch.equal(layer.values, torch.cat([values[:, :, :6], values[:, :, [6, 8, 9]]], dim=2))
+        _round(cache, nodes=2, seed=3)  # the next round appends after the kept entries
+        assert all(layer.keys.shape[2] == 11 and layer.owns_views() for layer in cache.layers)
+    assert counts[2] == counts[7] <= 4, counts  # the index, its offset, one gather, one copy
+
+
+def test_no_move_when_the_path_is_in_order():
+    cache = _filled_cache(3)
+    before = _round(cache, nodes=4)
+    with _Ops() as ops:
+        target_cache.gather_cache(cache, [0, 1], 4)
+    assert ops.ops == []  # no kernel at all
+    for layer, (keys, _) in zip(cache.layers, before):
+        assert torch.equal(layer.keys, keys[:, :, :8])
+
+
+def test_pooled_batch_gathers_match_layer_by_layer():
+    counts = {}
+    for num_layers in (2, 5):
+        pooled, alone = _filled_cache(num_layers, rows=3), _filled_cache(num_layers, rows=3)
+        for layer in alone.layers:  # the same entries in buffers of each layer's own
+            layer._adopt(layer.keys, layer.values, layer.capacity)
+        assert target_cache.pooled(pooled) is not None and target_cache.pooled(alone) is None
+        for cache in (pooled, alone):
+            _round(cache, nodes=3)
+        index = torch.tensor([[0, 2], [1, 1], [2, 0]])
+        with _Ops() as ops:
+            gather_entries(pooled, index, 6)
+        counts[num_layers] = len(ops.ops)
+        gather_entries(alone, index, 6)
+        keep_rows(pooled, torch.tensor([2, 0]))
+        keep_rows(alone, torch.tensor([2, 0]))
+        for cache in (pooled, alone):
+            _round(cache, nodes=1, seed=4)
+        for ours, theirs in zip(pooled.layers, alone.layers):
+            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+        assert target_cache.pooled(pooled) is not None  # the row selection kept the pool
+    assert counts[2] == counts[5], counts
+
+
+def test_a_pooled_layer_growing_grows_the_pool():
+    cache = _filled_cache(3)
+    pool = target_cache.pooled(cache)
+    before = _round(cache, nodes=30)  # 36 > 32 columns
+    assert target_cache.pooled(cache) is pool and pool.capacity >= 36
+    for layer, (keys, values) in zip(cache.layers, before):
+        assert layer.pool is pool and torch.equal(layer.keys, keys) and torch.equal(layer.values, values)

@@ -406,8 +406,7 @@ class _Loop:
         every entry of the forward in order (a round that drafted nothing), the cache stays as it is."""
         width = max(len(p) for p in kept)
         if self.single:
-            gather_cache(self.cache, torch.tensor(kept[0], dtype=torch.long, device=self.device),
-                         one.trees[0].tokens.shape[0])
+            gather_cache(self.cache, kept[0], one.trees[0].tokens.shape[0])
             if self.masked:  # the only use of a row's validity mask: its prompt's masked positions
                 self.valid = torch.cat([self.valid, self.valid.new_ones(1, width)], dim=1)
             self.positions = self.positions + width

@@ -1,6 +1,7 @@
 """The target's KV cache during tree decoding: which caches a tree round can roll back, the buffers preallocated for
-the call (:class:`PreallocatedLayer`), the gather that keeps only the accepted path, and the 4D attention masks of a
-tree forward (each node sees the cached prefix and its ancestors).
+the call (:class:`PreallocatedLayer`, pooled in one :class:`KVPool`), the gathers that keep only the accepted path
+(one for all pooled layers, none when nothing moves), and the 4D attention masks of a tree forward (each node sees
+the cached prefix and its ancestors).
 """
 
 from __future__ import annotations
@@ -14,37 +15,168 @@ from .transformers_compat import is_sliding_layer as sliding_layer
 GROWTH = 1.5  # a preallocated layer that must hold more grows its buffers by this factor (at least)
 
 
+class KVPool:
+    r"""
+    One buffer holding the keys and values of every pooled :class:`PreallocatedLayer` of a cache, so that a round's
+    commit moves the accepted entries of all layers with one gather and one copy, whatever the number of layers.
+
+    A layer stays pooled while its views are the leading columns of its slot; anything that gives it other tensors
+    (a reset) moves it to buffers of its own. Growing past the capacity grows the whole pool.
+
+    Args:
+        keys (`list[torch.Tensor]`): per layer, its keys after the prefill ``[B, kv_heads, L, D]`` (one shape).
+        values (`list[torch.Tensor]`): per layer, its values.
+        capacity (`int`): columns to preallocate (at least ``L``).
+    """
+
+    def __init__(self, keys: list, values: list, capacity: int):
+        first = keys[0]
+        length = first.shape[-2]
+        self.buffer = first.new_empty(2, len(keys), *first.shape[:2], max(capacity, length), first.shape[-1])
+        for slot, (k, v) in enumerate(zip(keys, values)):
+            self.buffer[0, slot, :, :, :length] = k
+            self.buffer[1, slot, :, :, :length] = v
+        self.layers: list[PreallocatedLayer] = []
+
+    @staticmethod
+    def poolable(layers: list) -> bool:
+        """Whether the layers' keys and values share one shape, dtype and device (and there are two or more)."""
+        tensors = [t for layer in layers for t in (layer.keys, layer.values)]
+        return len(layers) > 1 and all(
+            t.dim() == 4 and t.shape == tensors[0].shape and t.dtype == tensors[0].dtype
+            and t.device == tensors[0].device for t in tensors)
+
+    @property
+    def capacity(self) -> int:
+        """Columns each slot holds."""
+        return self.buffer.shape[-2]
+
+    def members(self) -> list:
+        """The layers still pooled."""
+        return [layer for layer in self.layers if layer.pool is self]
+
+    def grow(self, capacity: int) -> None:
+        """
+        Move every pooled layer into a larger pool buffer (their entries kept, their views rebound).
+
+        Args:
+            capacity (`int`): the new number of columns.
+        """
+        old = self.buffer
+        self.buffer = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
+        self.buffer[..., : old.shape[-2], :] = old
+        for layer in self.members():
+            layer.bind(layer.keys.shape[-2])
+
+    def length(self) -> int | None:
+        """The entries every pooled layer holds, or ``None`` when the layers differ (or one left its slot)."""
+        members = self.members()
+        if len(members) != len(self.layers) or not all(layer.owns_views() for layer in members):
+            return None
+        lengths = {layer.keys.shape[-2] for layer in members}
+        return lengths.pop() if len(lengths) == 1 else None
+
+    def keep(self, keep: torch.LongTensor | None, count: int, num_new: int) -> None:
+        """
+        Of the last ``num_new`` entries of every pooled layer, keep ``count`` of them: those at ``keep`` (in order),
+        with one gather and one copy for all layers; the first ``count`` when ``keep`` is ``None`` (nothing moves).
+
+        Args:
+            keep (`torch.LongTensor` [count] or `None`): indices in ``[0, num_new)``.
+            count (`int`): entries kept.
+            num_new (`int`): tokens of the latest forward.
+        """
+        start = self.length() - num_new
+        end = start + count
+        if keep is not None:
+            index = keep.to(self.buffer.device) + start
+            self.buffer[..., start:end, :] = self.buffer.index_select(-2, index)
+        for layer in self.layers:
+            layer.bind(end)
+
+    def gather_rows(self, index: torch.LongTensor, start: int) -> None:
+        """
+        Replace every pooled layer's entries from ``start`` on by the entries at ``start + index[b]`` of each row b.
+
+        Args:
+            index (`torch.LongTensor` [B, A]): per row, the entries to keep (relative to ``start``), in order.
+            start (`int`): the first entry rewritten.
+        """
+        width = index.shape[1]
+        shape = self.buffer.shape
+        idx = (index.to(self.buffer.device) + start)[None, None, :, None, :, None]
+        idx = idx.expand(shape[0], shape[1], -1, shape[3], -1, shape[5])
+        self.buffer[..., start : start + width, :] = self.buffer.gather(4, idx)
+        for layer in self.layers:
+            layer.bind(start + width)
+
+    def keep_rows(self, rows: torch.LongTensor) -> None:
+        """
+        Keep only the batch rows ``rows`` (in that order) of every pooled layer.
+
+        Args:
+            rows (`torch.LongTensor`): batch indices to keep.
+        """
+        length = self.length()
+        self.buffer = self.buffer.index_select(2, rows.to(self.buffer.device))
+        for layer in self.layers:
+            layer.bind(length)
+
+
 class PreallocatedLayer(DynamicLayer):
     r"""
     A full-attention layer of the target's cache whose keys and values live in buffers preallocated for the whole
     call: ``keys`` / ``values`` are views of the buffers' first ``length`` columns, so a forward writes only its new
     entries (a ``DynamicLayer`` concatenates, copying the whole cache every forward), and the in-place gathers of
-    :func:`gather_cache` / :func:`gather_entries` and ``crop`` keep working on the views.
+    :func:`gather_cache` / :func:`gather_entries` and ``crop`` keep working on the views. The buffers are a slot of
+    a :class:`KVPool` when ``pool`` is given, or the layer's own.
 
-    Anything that replaces the views by other tensors (a row selection) is adopted into fresh buffers at the next
-    ``update``; a forward past the capacity grows the buffers (by :data:`GROWTH` at least).
+    Anything that replaces the views by other tensors (a row selection outside :func:`keep_rows`) is adopted into
+    buffers of the layer's own at the next ``update``; a forward past the capacity grows the buffers (by
+    :data:`GROWTH` at least), the whole pool for a pooled layer.
 
     Args:
         keys (`torch.Tensor` [B, kv_heads, L, D]): the layer's keys after the prefill.
         values (`torch.Tensor` [B, kv_heads, L, D]): its values.
         capacity (`int`): columns to preallocate (at least ``L``).
+        pool (`KVPool`, *optional*): the pool holding the layer's entries (already copied there).
+        slot (`int`, *optional*): the layer's slot in ``pool``.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int, pool: KVPool | None = None,
+                 slot: int = 0):
         super().__init__()
         self.device = keys.device
         self.is_initialized = True
-        self._adopt(keys, values, max(capacity, keys.shape[-2]))
+        self.pool, self.slot = pool, slot
+        if pool is None:
+            self._adopt(keys, values, max(capacity, keys.shape[-2]))
+        else:
+            pool.layers.append(self)
+            self.bind(keys.shape[-2])
 
-    def _adopt(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
-        length = keys.shape[-2]
-        self._key_buffer = keys.new_empty(*keys.shape[:2], capacity, keys.shape[-1])
-        self._value_buffer = values.new_empty(*values.shape[:2], capacity, values.shape[-1])
-        self._key_buffer[:, :, :length] = keys
-        self._value_buffer[:, :, :length] = values
+    def bind(self, length: int) -> None:
+        """
+        Point the buffers at the pool's slot and the views at its first ``length`` columns.
+
+        Args:
+            length (`int`): the entries held.
+        """
+        self._key_buffer, self._value_buffer = self.pool.buffer[0, self.slot], self.pool.buffer[1, self.slot]
         self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
 
-    def _owns_views(self) -> bool:
+    def _adopt(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        """Copy ``keys`` / ``values`` into buffers of the layer's own (leaving any pool)."""
+        self.pool = None
+        length = keys.shape[-2]
+        key_buffer = keys.new_empty(*keys.shape[:2], capacity, keys.shape[-1])
+        value_buffer = values.new_empty(*values.shape[:2], capacity, values.shape[-1])
+        key_buffer[:, :, :length] = keys
+        value_buffer[:, :, :length] = values
+        self._key_buffer, self._value_buffer = key_buffer, value_buffer
+        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+
+    def owns_views(self) -> bool:
         """Whether ``keys`` / ``values`` are still the leading columns of the buffers."""
         return all(view is not None and view.dim() == 4 and view.data_ptr() == buffer.data_ptr()
                    and view.shape[:2] == buffer.shape[:2] and view.stride() == buffer.stride()
@@ -67,12 +199,16 @@ class PreallocatedLayer(DynamicLayer):
             empty = key_states[:, :, :0]
             self._adopt(empty, value_states[:, :, :0], self.capacity)
             self.is_initialized = True
-        elif not self._owns_views():
+        elif not self.owns_views():
             self._adopt(self.keys, self.values, self.capacity)
         start = self.keys.shape[-2]
         end = start + key_states.shape[-2]
         if end > self.capacity:
-            self._adopt(self.keys, self.values, max(end, int(self.capacity * GROWTH)))
+            capacity = max(end, int(self.capacity * GROWTH))
+            if self.pool is not None:
+                self.pool.grow(capacity)
+            else:
+                self._adopt(self.keys, self.values, capacity)
         self._key_buffer[:, :, start:end] = key_states
         self._value_buffer[:, :, start:end] = value_states
         self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
@@ -82,15 +218,40 @@ class PreallocatedLayer(DynamicLayer):
 def preallocate(cache, capacity: int) -> None:
     """
     Move every full-attention layer of ``cache`` (after the prefill) into a :class:`PreallocatedLayer` of
-    ``capacity`` columns; sliding-window layers keep their own bounded storage.
+    ``capacity`` columns, all in one :class:`KVPool` when they share a shape; sliding-window layers keep their own
+    bounded storage.
 
     Args:
         cache (`DynamicCache`): the target's cache, its layers filled by the prefill.
         capacity (`int`): columns per layer (the call's ``max_length`` plus one round's nodes, or more).
     """
-    for i, layer in enumerate(cache.layers):
-        if is_plain_dynamic_layer(layer) and layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
-            cache.layers[i] = PreallocatedLayer(layer.keys, layer.values, capacity)
+    slots = [i for i, layer in enumerate(cache.layers) if is_plain_dynamic_layer(layer) and layer.is_initialized
+             and layer.keys is not None and layer.keys.dim() == 4]
+    layers = [cache.layers[i] for i in slots]
+    pool = None
+    if KVPool.poolable(layers):
+        pool = KVPool([layer.keys for layer in layers], [layer.values for layer in layers], capacity)
+    for slot, i in enumerate(slots):
+        layer = cache.layers[i]
+        cache.layers[i] = PreallocatedLayer(layer.keys, layer.values, capacity, pool, slot)
+
+
+def pooled(cache) -> KVPool | None:
+    """
+    The pool holding every full-attention layer of ``cache`` with one length, or ``None`` (the gathers then go
+    layer by layer).
+
+    Args:
+        cache (`DynamicCache`): the target's cache.
+    """
+    pool = None
+    for layer in cache.layers:
+        if sliding_layer(layer) or not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        if not isinstance(layer, PreallocatedLayer) or layer.pool is None or pool not in (None, layer.pool):
+            return None
+        pool = layer.pool
+    return pool if pool is not None and pool.length() is not None else None
 
 
 def sliding_window(cache) -> float:
@@ -184,31 +345,45 @@ def prefill(model, input_ids: torch.LongTensor, model_kwargs: dict, cache, capac
     return logits
 
 
-def gather_cache(cache, keep: torch.LongTensor, num_new: int) -> None:
+def gather_cache(cache, keep, num_new: int) -> None:
     """Keep, of the last ``num_new`` entries of every layer of ``cache``, only those at indices ``keep`` (in order).
 
-    Entries before the last ``num_new`` are untouched. Sliding-window layers are then shrunk back to their window,
-    as ``crop`` does after a chain round.
+    Entries before the last ``num_new`` are untouched. Pooled layers move together (one gather, one copy), and no
+    layer moves anything when ``keep`` is the host list ``0 .. k - 1`` (a chain's accepted prefix, decided without
+    reading the device). Sliding-window layers are then shrunk back to their window, as ``crop`` does after a chain
+    round.
 
     Args:
         cache (`DynamicCache`): the target's cache right after a forward of ``num_new`` tokens.
-        keep (`torch.LongTensor`): indices in ``[0, num_new)`` to keep (may be empty).
+        keep (`list[int]` or `torch.LongTensor`): indices in ``[0, num_new)`` to keep (may be empty).
         num_new (`int`): tokens of that forward.
     """
     check_tree_cache(cache)
+    pool = pooled(cache)
+    count = len(keep) if isinstance(keep, (list, tuple)) else keep.numel()
+    index = None  # the kept indices on the cache's device, only where entries move
+    if not (isinstance(keep, (list, tuple)) and list(keep) == list(range(count))):
+        layer = next((layer for layer in cache.layers if layer.is_initialized and layer.keys is not None), None)
+        device = layer.keys.device if layer is not None else None
+        index = keep.to(device) if isinstance(keep, torch.Tensor) else torch.tensor(keep, dtype=torch.long,
+                                                                                     device=device)
     for layer in cache.layers:
         if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
             continue  # e.g. layers that share another layer's KV
+        if pool is not None and isinstance(layer, PreallocatedLayer):
+            continue  # moved below, all at once
         start = layer.keys.shape[-2] - num_new
-        end = start + keep.numel()
-        index = keep.to(layer.keys.device) + start
-        # Move the kept entries to the front of the new block in place, then drop the rest (no copy of the prefix).
-        layer.keys[..., start:end, :] = layer.keys.index_select(-2, index)
-        layer.values[..., start:end, :] = layer.values.index_select(-2, index)
+        end = start + count
+        if index is not None:  # move the kept entries to the front of the new block in place (no copy of the prefix)
+            at = index.to(layer.keys.device) + start
+            layer.keys[..., start:end, :] = layer.keys.index_select(-2, at)
+            layer.values[..., start:end, :] = layer.values.index_select(-2, at)
         layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
         if sliding_layer(layer):
-            layer.cumulative_length += keep.numel() - num_new
+            layer.cumulative_length += count - num_new
             layer.crop(0)  # back to `sliding_window - 1` entries once past the window
+    if pool is not None:
+        pool.keep(index, count, num_new)
 
 
 def tree_attention_mask(cache, ancestors: torch.BoolTensor, depths: torch.LongTensor, prefix_allowed, dtype):
@@ -272,12 +447,17 @@ def keep_rows(cache, rows: torch.LongTensor) -> None:
         cache (`DynamicCache`): the target's cache.
         rows (`torch.LongTensor`): batch indices to keep.
     """
+    pool = pooled(cache)
     for layer in _layers(cache):
-        layer.keys, layer.values = layer.keys[rows.to(layer.keys.device)], layer.values[rows.to(layer.keys.device)]
+        if pool is None or not isinstance(layer, PreallocatedLayer):
+            layer.keys, layer.values = layer.keys[rows.to(layer.keys.device)], layer.values[rows.to(layer.keys.device)]
+    if pool is not None:
+        pool.keep_rows(rows)
 
 
 def gather_entries(cache, index: torch.LongTensor, start: int) -> None:
-    """Replace every layer's entries from ``start`` on by the entries at ``start + index[b]`` of each row b.
+    """Replace every layer's entries from ``start`` on by the entries at ``start + index[b]`` of each row b (pooled
+    layers all at once).
 
     Args:
         cache (`DynamicCache`): the target's cache.
@@ -285,7 +465,10 @@ def gather_entries(cache, index: torch.LongTensor, start: int) -> None:
         start (`int`): the first entry that is rewritten (entries before it are untouched).
     """
     width = index.shape[1]
+    pool = pooled(cache)
     for layer in _layers(cache):
+        if pool is not None and isinstance(layer, PreallocatedLayer):
+            continue
         idx = (index.to(layer.keys.device) + start)[:, None, :, None].expand(-1, layer.keys.shape[1], -1,
                                                                            layer.keys.shape[-1])
         keys, values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
@@ -294,6 +477,8 @@ def gather_entries(cache, index: torch.LongTensor, start: int) -> None:
         layer.keys, layer.values = layer.keys[:, :, : start + width], layer.values[:, :, : start + width]
         if sliding_layer(layer):
             layer.cumulative_length = layer.keys.shape[-2]
+    if pool is not None:
+        pool.gather_rows(index, start)
 
 
 def compact(cache, valid: torch.BoolTensor) -> torch.BoolTensor:
