@@ -342,7 +342,9 @@ class _Loop:
                 self.valid = compact(self.cache, self.valid)  # far longer than the longest row, or near the window
         start, device = self.valid.shape[1], self.device
         depths = torch.stack([_padded(t.depths, nodes) for t in trees]).to(device)
-        if self.single:  # a mask per layer kind: sliding layers past their window see only its last entries
+        if self.single and nodes == 1 and not self.masked and self.window == float("inf"):
+            mask = None  # a plain step of one unpadded sequence sees every cached entry: the target's own mask
+        elif self.single:  # a mask per layer kind: sliding layers past their window see only its last entries
             tree = trees[0]
             mask = tree_attention_mask(self.cache, tree.ancestors.to(device), depths[0],
                                        self.valid[0] if self.masked else None, self.dtype)

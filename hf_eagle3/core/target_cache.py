@@ -163,7 +163,12 @@ class PreallocatedLayer(DynamicLayer):
             length (`int`): the entries held.
         """
         self._key_buffer, self._value_buffer = self.pool.buffer[0, self.slot], self.pool.buffer[1, self.slot]
+        self._set_views(length)
+
+    def _set_views(self, length: int) -> None:
+        """``keys`` / ``values``: the buffers' first ``length`` columns."""
         self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+        self._views = (self.keys, self.values)
 
     def _adopt(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         """Copy ``keys`` / ``values`` into buffers of the layer's own (leaving any pool)."""
@@ -174,10 +179,13 @@ class PreallocatedLayer(DynamicLayer):
         key_buffer[:, :, :length] = keys
         value_buffer[:, :, :length] = values
         self._key_buffer, self._value_buffer = key_buffer, value_buffer
-        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+        self._set_views(length)
 
     def owns_views(self) -> bool:
-        """Whether ``keys`` / ``values`` are still the leading columns of the buffers."""
+        """Whether ``keys`` / ``values`` are still the leading columns of the buffers (at once when they are the
+        views the layer set last)."""
+        if self.keys is self._views[0] and self.values is self._views[1]:
+            return True
         return all(view is not None and view.dim() == 4 and view.data_ptr() == buffer.data_ptr()
                    and view.shape[:2] == buffer.shape[:2] and view.stride() == buffer.stride()
                    for view, buffer in ((self.keys, self._key_buffer), (self.values, self._value_buffer)))
@@ -211,7 +219,7 @@ class PreallocatedLayer(DynamicLayer):
                 self._adopt(self.keys, self.values, capacity)
         self._key_buffer[:, :, start:end] = key_states
         self._value_buffer[:, :, start:end] = value_states
-        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+        self._set_views(end)
         return self.keys, self.values
 
 
@@ -359,10 +367,16 @@ def gather_cache(cache, keep, num_new: int) -> None:
         num_new (`int`): tokens of that forward.
     """
     check_tree_cache(cache)
-    pool = pooled(cache)
     count = len(keep) if isinstance(keep, (list, tuple)) else keep.numel()
+    in_order = isinstance(keep, (list, tuple)) and list(keep) == list(range(count))
+    if in_order and count == num_new:  # every entry kept where it is: only sliding layers go back to their window
+        for layer in cache.layers:
+            if sliding_layer(layer) and layer.is_initialized and layer.keys is not None and layer.keys.numel():
+                layer.crop(0)
+        return
+    pool = pooled(cache)
     index = None  # the kept indices on the cache's device, only where entries move
-    if not (isinstance(keep, (list, tuple)) and list(keep) == list(range(count))):
+    if not in_order:
         layer = next((layer for layer in cache.layers if layer.is_initialized and layer.keys is not None), None)
         device = layer.keys.device if layer is not None else None
         index = keep.to(device) if isinstance(keep, torch.Tensor) else torch.tensor(keep, dtype=torch.long,
