@@ -61,8 +61,21 @@ class _Row:
     ids: list  # the padded prompt followed by the tokens generated so far (target ids)
     stats: Eagle3Stats = field(default_factory=Eagle3Stats)
     squares: int = 0  # over its rounds with a draft: the accepted count squared, summed (their spread)
-    scores: list = field(default_factory=list)  # per generated token: processed scores [1, V]
-    logits: list = field(default_factory=list)  # per generated token: raw logits [1, V]
+    scores: list = field(default_factory=list)  # per generated token: processed scores [1, V], when asked for
+    logits: list = field(default_factory=list)  # per generated token: raw logits [1, V], when asked for
+
+    def keep(self, name: str, values: list, asked: bool) -> None:
+        """
+        Extend ``scores`` or ``logits`` by copies of ``values`` when the call asked for them (a copy: a row of a round's
+        logits would otherwise hold the round's whole ``[B, N, V]`` block until ``generate`` returns).
+
+        Args:
+            name (`str`): ``"scores"`` or ``"logits"``.
+            values (`list[torch.FloatTensor]`): ``[1, V]`` per token.
+            asked (`bool`): ``output_scores`` / ``output_logits`` with ``return_dict_in_generate``.
+        """
+        if asked:
+            getattr(self, name).extend(v.clone() for v in values)
 
 
 def check_rows(input_ids: torch.LongTensor, attention_mask, generation_config, cache, nodes: int) -> list:
@@ -234,6 +247,8 @@ class _Loop:
         self.stopping_criteria = stopping_criteria
         self.host_stopping = HostStopping.of(stopping_criteria)
         self.generation_config = generation_config
+        self.asked = {name: bool(generation_config.return_dict_in_generate and
+                                 getattr(generation_config, f"output_{name}", False)) for name in ("scores", "logits")}
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
         self.eos = eos_token_ids(generation_config)
@@ -281,8 +296,8 @@ class _Loop:
                          [length - p for p in self.pads])
         for b, token in enumerate(first.tolist()):
             row = _Row(b, input_ids[b].tolist() + [token])
-            row.scores.append(scores[b : b + 1])
-            row.logits.append(last[b : b + 1])
+            row.keep("scores", [scores[b : b + 1]], self.asked["scores"])
+            row.keep("logits", [last[b : b + 1]], self.asked["logits"])
             row.stats.record(0, 0)
             self.rows.append(row)
         if self.streamer is not None:
@@ -389,8 +404,8 @@ class _Loop:
             following.append(new)
             depths.append(min(max(mine[2]), max(self.max_length - len(row.ids) - 1, 0)))  # drafted, as far as usable
             row.ids += new
-            row.scores += walk.scores[: len(new)]
-            row.logits += walk.logits[: len(new)]
+            row.keep("scores", walk.scores[: len(new)], self.asked["scores"])
+            row.keep("logits", walk.logits[: len(new)], self.asked["logits"])
             row.stats.record(depths[-1], len(new) - 1)
             row.squares += (len(new) - 1) ** 2 if depths[-1] > 0 else 0
         if self.streamer is not None:
