@@ -134,3 +134,25 @@ def test_trees_and_batches_refuse_the_ensemble_before_work(path, given):
     assert torch.equal(target.generate(ids, do_sample=False, max_new_tokens=6), reference)
     assert torch.equal(target.generate(ids, assistant_model=draft, do_sample=False, max_new_tokens=6, **tree),
                        reference)
+
+
+def test_a_chain_refuses_the_ensemble_where_transformers_would_not_read_it(monkeypatch):
+    """On releases whose assisted loop never reads the setting (a passed config keeps it as a plain attribute), a
+    batch-1 chain refuses it before any target forward, naming the release to install."""
+    from hf_eagle3.core import transformers_compat
+
+    monkeypatch.setattr(transformers_compat, "VERIFIES_ENSEMBLE", False)
+    target, draft = cached_target("llama"), cached_draft("llama")
+    ids = random_prompt(6, seed=29)
+    config = GenerationConfig(max_new_tokens=6, do_sample=False)
+    config.assistant_ensemble_weight = 0.5
+    seen, handle = forwards_of(target)
+    try:
+        with pytest.raises(ValueError, match=r"transformers>=5.25"):
+            target.generate(ids, assistant_model=draft, generation_config=config)
+    finally:
+        handle.remove()
+    assert seen == [], "refused after a target forward"
+    assert _ACTIVE.get() is None
+    assert torch.equal(target.generate(ids, assistant_model=draft, do_sample=False, max_new_tokens=6),
+                       target.generate(ids, do_sample=False, max_new_tokens=6))

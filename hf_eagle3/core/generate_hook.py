@@ -148,8 +148,8 @@ def check_prompt(ids, kwargs: dict) -> None:
 def check_ensemble_weight(generation_config, tree: bool, batched: bool) -> None:
     """
     Refuse, before any target forward, ``assistant_ensemble_weight`` (Transformers >= 5.25: lossy static-ensemble
-    verification) in the package's loop, whose acceptance of trees and batches is lossless only. Batch-1 chains run
-    in Transformers' loop, which honours it.
+    verification) in the package's loop, whose acceptance of trees and batches is lossless only, and for batch-1 chains
+    on releases whose loop would not read it. Batch-1 chains run in Transformers' loop, which honours it from 5.25 on.
 
     Args:
         generation_config (`GenerationConfig`): the call's prepared config.
@@ -159,6 +159,14 @@ def check_ensemble_weight(generation_config, tree: bool, batched: bool) -> None:
     weight = getattr(generation_config, "assistant_ensemble_weight", None)
     if weight is None:
         return
+    if not (tree or batched):
+        if compat.VERIFIES_ENSEMBLE:
+            return
+        raise ValueError(
+            f"assistant_ensemble_weight={weight} (static-ensemble verification) is not read by the assisted decoding "
+            f"of transformers {compat.transformers.__version__}: install transformers>=5.25 to use it, or set "
+            "assistant_ensemble_weight=None for lossless verification."
+        )
     what = " and ".join(name for name, asked in (("trees", tree), ("batches", batched)) if asked)
     fix = " and ".join(step for step, needed in (("generate one row at a time", batched),
                                                  ("drop the tree_* settings", tree)) if needed)
@@ -295,6 +303,7 @@ def route_assisted_decoding(model, original, args: tuple, kwargs: dict):
     named = loop_arguments(original, model, args, kwargs)
     batched = named["input_ids"].shape[0] > 1
     if not batched and getattr(call, "tree", None) is None:
+        check_ensemble_weight(named["generation_config"], tree=False, batched=False)
         return original(model, *args, **kwargs)
     check_ensemble_weight(named["generation_config"], getattr(call, "tree", None) is not None, batched)
     recurrent = compat.recurrent_layers(cache_entry(named["model_kwargs"])[1])

@@ -42,6 +42,9 @@ RELEASE = _release(transformers.__version__)
 SELECTS_HIDDEN_STATES = RELEASE >= (5, 25)
 # `cache.activate_past_recording(recurrent_states_to_keep=n)`: assisted decoding rolls back linear-attention layers.
 ROLLS_BACK_RECURRENT_STATES = RELEASE >= (5, 25)
+# `assistant_ensemble_weight`: static-ensemble verification in Transformers' assisted loop (earlier releases keep the
+# setting on a passed GenerationConfig and never read it).
+VERIFIES_ENSEMBLE = RELEASE >= (5, 25)
 # Assisted decoding on `cache_implementation="static"` (earlier releases refuse it before any work).
 ASSISTS_ON_STATIC_CACHE = RELEASE >= (5, 24)
 
