@@ -1,7 +1,7 @@
 """What the package's loop keeps while it decodes: nothing of a round's logits unless ``output_scores`` /
 ``output_logits`` ask for them, so a long tree call on a large vocabulary peaks where plain ``generate`` does.
 
-Each call runs in a fresh process, whose peak resident memory is the measure (both processes build the same target
+Each call runs in a fresh process, whose peak resident memory (``VmHWM``, Linux) is the measure (both processes build the same target
 and draft; only the decoding differs).
 """
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 SCRIPT = r"""
-import json, resource, sys
+import json, sys
 import torch
 sys.path.insert(0, {tests!r})
 from conftest import tiny_draft, tiny_target
@@ -27,8 +27,9 @@ if kwargs.pop("draft", False):
     kwargs["assistant_model"] = draft
 out = target.generate(ids, do_sample=False, max_new_tokens=512, min_new_tokens=512, **kwargs)
 sequences = out.sequences if hasattr(out, "sequences") else out
-print(json.dumps({{"peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                  "tokens": sequences.shape[1] - ids.shape[1]}}))
+# VmHWM: this process image's peak resident memory (ru_maxrss would also count the parent's, from before the exec)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({{"peak_kib": peak, "tokens": sequences.shape[1] - ids.shape[1]}}))
 """
 
 
