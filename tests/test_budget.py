@@ -288,3 +288,35 @@ def test_a_chain_asked_for_wins_over_a_saved_tree(monkeypatch):
     seen = counting_forwards(target, monkeypatch)
     assert torch.equal(greedy(target, ids, max_new_tokens=12, assistant_model=draft), ref)  # the saved tree
     assert any(n > 4 for n in seen[1:])  # a tree round verifies more nodes than a chain of 3 would
+
+
+def test_a_tree_budget_without_costs_learns_its_first_size_before_sizing(monkeypatch):
+    """With an empty table, tree ``"auto"`` drafts trees of its first size (at full depth) once the plain step is
+    known, until that size's cost is learnt (one known size would price every size alike, and varying sizes are never
+    timed often enough to be learnt); then it sizes its trees from the learnt costs. Every output is the target's."""
+    from hf_eagle3.core.budget import TreeBudget
+
+    target = target_of("llama")
+    draft = tiny_draft(target, seed=2)
+    ids = random_prompt(9, seed=5)
+    clock = FakeClock(0.05)
+    monkeypatch.setattr(cost_model.Stopwatch, "mark", lambda self: clock.now)
+    monkeypatch.setattr(target, "forward", clock.forward_of(target.forward))
+    no_timing(monkeypatch)
+    plans, plan = [], TreeBudget.plan
+
+    def record(self, *args, **kwargs):
+        chosen = plan(self, *args, **kwargs)
+        plans.append((chosen, sorted(self.costs.target)))
+        return chosen
+
+    monkeypatch.setattr(TreeBudget, "plan", record)
+    wide = {"tree_top_k": 4, "tree_depth": 3, "tree_total_tokens": "auto"}  # up to 36 nodes; the first tree has 16
+    out = greedy(target, ids, max_new_tokens=40, assistant_model=draft, **wide)
+    assert torch.equal(out, greedy(target, ids, max_new_tokens=40))
+    trees = [(p, known) for p, known in plans if p.drafts]
+    first = trees[0][0].total
+    while_learning = [p for p, known in trees if known == [1]]
+    assert first == 16 and len(while_learning) >= 3
+    assert all(p.total == first and p.depth == wide["tree_depth"] for p in while_learning)
+    assert first + 1 in plans[-1][1]  # the first size's target forward was learnt within the call

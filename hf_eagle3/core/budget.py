@@ -257,7 +257,10 @@ class ChainBudget(_LearntCosts):
 class TreeBudget(_LearntCosts):
     """``tree_total_tokens="auto"``: each round's tree sized by
     :class:`~hf_eagle3.core.tree_policy.TreeSizeChooser` from the previous round's candidates, or no tree while
-    trees do not pay; like :class:`ChainBudget`, a plain step first when no plain step is known.
+    trees do not pay; like :class:`ChainBudget`, a plain step first when no plain step is known, and then, while the
+    plain step is the only target forward known, trees of the first size at full depth until that size's cost is
+    learnt (:meth:`learning`): one known size would price every size alike, and sizes that vary are never timed often
+    enough to be learnt.
 
     Args:
         chooser (`TreeSizeChooser`): the decision, on ``costs.target``.
@@ -274,6 +277,7 @@ class TreeBudget(_LearntCosts):
         self.chooser, self.depth, self.top_k = chooser, depth, top_k
         self.most = auto_most_nodes(depth, top_k)
         self.total = None  # the first tree's size, once a plain step is known (`TreeSizeChooser.first_nodes`)
+        self.first = None  # that size: the trees' size while it is learnt
         self.next_depth = depth  # the levels of the next round's trees
 
     def plan(self, batch: BatchRows = ONE_ROW, feed: int = 1, room: int | None = None) -> RoundPlan:
@@ -282,10 +286,17 @@ class TreeBudget(_LearntCosts):
         if depth < 1 or not self.costs.ready:
             return PLAIN
         if self.total is None:
-            self.total = self.chooser.first_nodes(self.most)
+            self.total = self.first = self.chooser.first_nodes(self.most)
         if not self.chooser.draft_this_round(batch, depth, feed):
             return PLAIN
+        if self.learning:
+            return RoundPlan(depth, self.top_k, self.first)
         return RoundPlan(min(depth, self.next_depth), self.top_k, self.total)
+
+    @property
+    def learning(self) -> bool:
+        """Whether the plain step is the only target forward whose cost is known (no table, first rounds)."""
+        return len(self.costs.target) < 2
 
     def observe(self, outcome: RoundOutcome) -> None:
         """See :meth:`Budget.observe`."""
