@@ -23,6 +23,7 @@ from conftest import (
     assisted_continuations,
     break_tree_sampling,
     greedy,
+    known_costs,
     plain_continuations,
     random_prompt,
     sampling_models,
@@ -581,7 +582,9 @@ def test_auto_sizes_each_round_from_the_previous_rounds_candidates(monkeypatch):
                         lambda self, most: first.append(first_nodes(self, most)) or first[-1])
     # a tree every round: whether trees pay on this machine (and when a probe comes) is not what is tested here
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *args: True)
-    out = greedy(target, ids, max_new_tokens=24, assistant_model=tiny_draft(target, seed=12), **tree(3, 5, "auto"))
+    draft = tiny_draft(target, seed=12)
+    known_costs(target, draft)  # sizes priced from known costs (not the first rounds that learn a size's cost)
+    out = greedy(target, ids, max_new_tokens=24, assistant_model=draft, **tree(3, 5, "auto"))
     assert torch.equal(out, ref)
     assert sizes[0] == first[0] <= min(tree_policy.AUTO_FIRST, tree_policy.auto_most_nodes(5, 3))
     assert len(sizes) >= 5 and sizes[1:] == chosen[: len(sizes) - 1]
@@ -606,6 +609,8 @@ def test_auto_trees_grow_back_after_a_small_one(monkeypatch):
         return trees
 
     monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "select", recording)
-    out = greedy(target, ids, max_new_tokens=24, assistant_model=tiny_draft(target, seed=14), **tree(3, 4, "auto"))
+    draft = tiny_draft(target, seed=14)
+    known_costs(target, draft)  # sizes chosen from known costs (not the first rounds that learn a size's cost)
+    out = greedy(target, ids, max_new_tokens=24, assistant_model=draft, **tree(3, 4, "auto"))
     assert torch.equal(out, greedy(target, ids, max_new_tokens=24))
     assert nodes[:5] == [16, 1, 8, 1, 8]
