@@ -376,7 +376,7 @@ def test_greedy_drafting_applies_logits_processors():
     gen = Eagle3CandidateGenerator.__new__(Eagle3CandidateGenerator)
     from hf_eagle3.core.logits_process import Eagle3D2TLogitsProcessor
 
-    gen.d2t, gen.do_sample = Eagle3D2TLogitsProcessor(draft.d2t, V), False
+    gen.d2t, gen.do_sample, gen.ensemble = Eagle3D2TLogitsProcessor(draft.d2t, V), False, False
     scores = torch.randn(1, 48, generator=torch.Generator().manual_seed(0))
     best = int(scores.argmax())
     best_target = int(best + draft.d2t[best])
