@@ -1,4 +1,4 @@
-"""``assistant_ensemble_weight`` (Transformers 5.25: lossy static-ensemble verification against
+"""``assistant_ensemble_weight`` (Transformers 5.24+: lossy static-ensemble verification against
 ``w * p_target + (1 - w) * q_draft``) is honoured where Transformers' loop verifies (batch-1 chains, greedy and sampled)
 and refused before any target forward where the package's loop verifies (trees, batches); never ignored. On releases
 without the setting Transformers itself refuses the unknown keyword before any work."""
@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 from hf_eagle3 import Eagle3CandidateGenerator
 from hf_eagle3.core.generate_hook import _ACTIVE, use_drafting
 
-HAS_ENSEMBLE = hasattr(GenerationConfig(), "assistant_ensemble_weight")  # transformers >= 5.25
+HAS_ENSEMBLE = hasattr(GenerationConfig(), "assistant_ensemble_weight")  # transformers 5.24+
 
 
 class RoundSpy(Eagle3CandidateGenerator):
@@ -148,7 +148,7 @@ def test_a_chain_refuses_the_ensemble_where_transformers_would_not_read_it(monke
     config.assistant_ensemble_weight = 0.5
     seen, handle = forwards_of(target)
     try:
-        with pytest.raises(ValueError, match=r"transformers>=5.25"):
+        with pytest.raises(ValueError, match=r"transformers>=5.24"):
             target.generate(ids, assistant_model=draft, generation_config=config)
     finally:
         handle.remove()

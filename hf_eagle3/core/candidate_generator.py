@@ -89,7 +89,7 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         self.d2t = Eagle3D2TLogitsProcessor(draft.d2t, draft.config.vocab_size)
         self.logits_processor = logits_processor if logits_processor is not None else []
         self.do_sample = bool(generation_config.do_sample)
-        # Static-ensemble verification (Transformers >= 5.25) weighs the draft's distribution in, greedy too: the
+        # Static-ensemble verification (Transformers 5.24+) weighs the draft's distribution in, greedy too: the
         # candidate logits are then returned whether sampling or not.
         self.ensemble = getattr(generation_config, "assistant_ensemble_weight", None) is not None
         self.max_length = generation_config.max_length

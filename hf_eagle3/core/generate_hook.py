@@ -147,9 +147,10 @@ def check_prompt(ids, kwargs: dict) -> None:
 
 def check_ensemble_weight(generation_config, tree: bool, batched: bool) -> None:
     """
-    Refuse, before any target forward, ``assistant_ensemble_weight`` (Transformers >= 5.25: lossy static-ensemble
+    Refuse, before any target forward, ``assistant_ensemble_weight`` (Transformers 5.24+: lossy static-ensemble
     verification) in the package's loop, whose acceptance of trees and batches is lossless only, and for batch-1 chains
-    on releases whose loop would not read it. Batch-1 chains run in Transformers' loop, which honours it from 5.25 on.
+    on releases whose loop would not read it. Batch-1 chains run in Transformers' loop, which honours it where it
+    defines it (``VERIFIES_ENSEMBLE``).
 
     Args:
         generation_config (`GenerationConfig`): the call's prepared config.
@@ -164,7 +165,7 @@ def check_ensemble_weight(generation_config, tree: bool, batched: bool) -> None:
             return
         raise ValueError(
             f"assistant_ensemble_weight={weight} (static-ensemble verification) is not read by the assisted decoding "
-            f"of transformers {compat.transformers.__version__}: install transformers>=5.25 to use it, or set "
+            f"of transformers {compat.transformers.__version__}: install transformers>=5.24 to use it, or set "
             "assistant_ensemble_weight=None for lossless verification."
         )
     what = " and ".join(name for name, asked in (("trees", tree), ("batches", batched)) if asked)

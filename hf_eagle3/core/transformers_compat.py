@@ -42,9 +42,10 @@ RELEASE = _release(transformers.__version__)
 SELECTS_HIDDEN_STATES = RELEASE >= (5, 25)
 # `cache.activate_past_recording(recurrent_states_to_keep=n)`: assisted decoding rolls back linear-attention layers.
 ROLLS_BACK_RECURRENT_STATES = RELEASE >= (5, 25)
-# `assistant_ensemble_weight`: static-ensemble verification in Transformers' assisted loop (earlier releases keep the
-# setting on a passed GenerationConfig and never read it).
-VERIFIES_ENSEMBLE = RELEASE >= (5, 25)
+# `assistant_ensemble_weight`: static-ensemble verification in Transformers' assisted loop, on the releases whose
+# GenerationConfig defines it (5.24 and 5.25 do; a release without it keeps the setting on a passed GenerationConfig
+# as a plain attribute and never reads it).
+VERIFIES_ENSEMBLE = hasattr(transformers.GenerationConfig(), "assistant_ensemble_weight")
 # Assisted decoding on `cache_implementation="static"` (earlier releases refuse it before any work).
 ASSISTS_ON_STATIC_CACHE = RELEASE >= (5, 24)
 
