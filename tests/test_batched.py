@@ -97,13 +97,17 @@ class OracleDrafter(Eagle3BatchTreeDrafter):
         super().keep_rows(keep)
         self.history = [self.history[i] for i in keep]
 
+    def right(self, row: int, fed: int, reference: list, depth: int) -> int:
+        """How many of the row's drafted tokens are right this round (``fed``: its positions fed so far)."""
+        return (fed * 7 + len(reference)) % (depth + 1)
+
     def expand(self, depth, top_k):
         chains = []
-        for history in self.history:
+        for b, history in enumerate(self.history):
             h = len(history)
             ref = next(r for r in self.references if r[1 : 1 + h] == history)
             truth = (ref[1 + h : 1 + h + depth] + [4] * depth)[:depth]
-            right = (h * 7 + len(ref)) % (depth + 1)
+            right = self.right(b, h, ref, depth)
             chains.append([t if i < right else (t + 1) % 256 for i, t in enumerate(truth)])
         device, rows = self.device, len(chains)
         return (-0.1 * torch.arange(1, depth + 1, dtype=torch.float, device=device).expand(rows, depth),

@@ -445,14 +445,6 @@ def test_attention_implementation_without_4d_masks_is_refused(monkeypatch):
     assert no_hooks_left(target)
 
 
-def test_static_cache_is_refused():
-    target, draft = target_of("llama"), draft_of("llama")
-    with pytest.raises(ValueError):
-        target.generate(prompt(5), max_new_tokens=5, assistant_model=draft, cache_implementation="static",
-                        **tree(2, 2, 4))
-    assert no_hooks_left(target)
-
-
 def test_gather_cache_keeps_the_selected_entries():
     target = target_of("gemma3")
     from transformers import DynamicCache

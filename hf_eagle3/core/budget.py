@@ -314,13 +314,13 @@ class TreeBudget(_LearntCosts):
         self.store()
 
 
-def _call_costs(target, draft, input_ids, masked: bool) -> tuple[Eagle3Costs, str]:
-    """The call's costs from the process's table, and their key."""
-    key = cost_key(target, draft, input_ids.shape[0], masked)
+def _call_costs(target, draft, input_ids, masked: bool, target_forward: str = "eager") -> tuple[Eagle3Costs, str]:
+    """The call's costs from the process's table, and their key (see :func:`cost_key`)."""
+    key = cost_key(target, draft, input_ids.shape[0], masked, target_forward)
     return cost_table().costs(key, input_ids.shape[1]), key
 
 
-def chain_budget(target, draft, input_ids, most: int, masked: bool) -> ChainBudget:
+def chain_budget(target, draft, input_ids, most: int, masked: bool, target_forward: str = "eager") -> ChainBudget:
     """
     The ``"auto"`` chain budget of a call: its costs from the table, the acceptance the draft's last call left.
 
@@ -330,13 +330,14 @@ def chain_budget(target, draft, input_ids, most: int, masked: bool) -> ChainBudg
         input_ids (`torch.LongTensor` [B, L]): the call's prompts.
         most (`int`): the longest chain (``num_assistant_tokens``).
         masked (`bool`): the package's loop (its target forwards carry a 4D mask), not Transformers'.
+        target_forward (`str`): how the target's forwards run (see :func:`~hf_eagle3.core.cost_model.cost_key`).
     """
-    costs, key = _call_costs(target, draft, input_ids, masked)
+    costs, key = _call_costs(target, draft, input_ids, masked, target_forward)
     policy = Eagle3DraftLengthPolicy.from_carried(costs, draft.drafting_memory.chain)
     return ChainBudget(policy, costs, key, input_ids.shape[1], most)
 
 
-def budget_for(call, target, input_ids) -> Budget:
+def budget_for(call, target, input_ids, target_forward: str = "eager") -> Budget:
     """
     The budget of a call of the package's loop (trees at any batch size, chains for batches), from its settings.
 
@@ -345,6 +346,7 @@ def budget_for(call, target, input_ids) -> Budget:
             call's draft-length settings).
         target (`PreTrainedModel`): the target.
         input_ids (`torch.LongTensor` [B, L]): the call's prompts.
+        target_forward (`str`): how the target's forwards run (see :func:`~hf_eagle3.core.cost_model.cost_key`).
 
     Raises:
         ValueError: for chain settings batches do not implement (``"heuristic"`` schedules, a confidence threshold),
@@ -355,7 +357,7 @@ def budget_for(call, target, input_ids) -> Budget:
         depth, top_k, total = call.tree["depth"], call.tree["top_k"], call.tree["total_tokens"]
         if total != "auto":
             return FixedBudget(depth, top_k, total)
-        costs, key = _call_costs(target, draft, input_ids, masked=True)
+        costs, key = _call_costs(target, draft, input_ids, True, target_forward)
         chooser = TreeSizeChooser.from_carried(costs.target, draft.drafting_memory.trees.get(key))
         return TreeBudget(chooser, costs, key, input_ids.shape[1], depth, top_k)
     settings = resolve_draft_settings(draft.generation_config, call.settings)
@@ -374,5 +376,5 @@ def budget_for(call, target, input_ids) -> Budget:
         )
     k = int(settings.get("num_assistant_tokens", DEFAULT_DRAFT_LENGTH))
     if schedule == "auto":
-        return chain_budget(target, draft, input_ids, k, masked=True)
+        return chain_budget(target, draft, input_ids, k, True, target_forward)
     return FixedBudget(k)

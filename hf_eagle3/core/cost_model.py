@@ -454,17 +454,20 @@ def _model_shape(model) -> str:
     return f"{getattr(config, 'model_type', type(model).__name__)}{sizes}{params}"
 
 
-def cost_key(target, draft, rows: int, masked: bool) -> str:
+def cost_key(target, draft, rows: int, masked: bool, target_forward: str = "eager") -> str:
     """
     The key of a call's costs in the :class:`CostTable`: device, dtype, the target's and the draft's shapes (their
     forwards' cost does not depend on their weights), how the draft's step runs (eager or compiled), the batch
-    bucket and the loop (the package's, whose target forwards carry a 4D mask, or Transformers').
+    bucket, the loop (the package's, whose target forwards carry a 4D mask, or Transformers') and how the target's
+    forwards run.
 
     Args:
         target (`PreTrainedModel`): the target.
         draft (`Eagle3DraftModel`): the draft.
         rows (`int`): the call's rows.
         masked (`bool`): the package's loop.
+        target_forward (`str`): ``"eager"`` (a dynamic cache), ``"static"`` (a static cache, eager forwards) or
+            ``"compiled"`` (a static cache, Transformers' compiled forward).
     """
     param = next(target.parameters())
     cache = _KEYS.setdefault(draft, {})
@@ -474,7 +477,8 @@ def cost_key(target, draft, rows: int, masked: bool) -> str:
     if local not in cache:  # the shapes cost a pass over the parameters: once per target and draft
         cache[local] = (f"{_device_name(param.device)}|{param.dtype}|{_model_shape(target)}|{_model_shape(draft)}"
                         f"|{draft.fc.weight.dtype}|{'compiled' if compiled else 'eager'}")
-    return f"{cache[local]}|rows{batch_bucket(rows)}|{'package' if masked else 'transformers'}"
+    forward = "" if target_forward == "eager" else f"|{target_forward}"
+    return f"{cache[local]}|rows{batch_bucket(rows)}|{'package' if masked else 'transformers'}{forward}"
 
 
 _KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> {(target, device, ...): key prefix}

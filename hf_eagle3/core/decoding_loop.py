@@ -34,20 +34,27 @@ from .batch_drafter import Eagle3BatchTreeDrafter, take_positions
 from .batch_tail import BatchRows
 from .budget import RoundOutcome, RoundPlan, budget_for
 from .cost_model import Stopwatch
+from .feature_capture import Eagle3OutputFeatures
 from .stats import Eagle3Stats, publish_stats
 from .stopping import HostStopping
 from .target_cache import (
+    StaticPool,
     batch_tree_mask,
     compact,
+    compaction_order,
     decoding_cache,
     gather_cache,
     gather_entries,
+    is_static_cache,
     keep_rows,
+    node_bucket,
     prefill,
     sliding_window,
+    static_cache_for,
+    static_tree_mask,
     tree_attention_mask,
 )
-from .transformers_compat import eos_token_ids
+from .transformers_compat import eos_token_ids, round_forward
 from .tree_drafter import DraftTree, candidate_ranking
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
@@ -228,13 +235,34 @@ class _Loop:
                  model_kwargs, streamer=None):
         self.model, self.model_kwargs, self.input_ids, self.streamer = model, model_kwargs, input_ids, streamer
         self.draft_model, self.capture = call.draft, call.capture
-        self.budget = budget = budget_for(call, model, input_ids)  # how much each round drafts
         self.single = input_ids.shape[0] == 1  # one row: no holes, and sliding layers may pass their window
         name = "EAGLE-3 tree decoding" if self.single else "Batched EAGLE-3 decoding"
         self.cache_key, self.cache = decoding_cache(model_kwargs, generation_config, name)
+        # A static cache: the rounds' forwards keep one shape per node bucket (compiled where Transformers would).
+        self.static = is_static_cache(self.cache)
+        self.forward, compiled = round_forward(model, model_kwargs, generation_config) if self.static else (model, False)
+        if compiled and not isinstance(self.capture, Eagle3OutputFeatures):
+            # Hooks cannot tell threads apart inside a compiled forward: every forward of the call returns its
+            # features as hidden states instead (on releases that return all of them, the prefill's too: the cost
+            # of the prompt's hidden states, once).
+            if self.draft_model.config.target_layers_path is not None:
+                raise ValueError(
+                    "A compiled target forward (a static cache with compile_config, or on an accelerator) returns the "
+                    "draft's features as hidden states, which this target's outputs do not index "
+                    "(draft.config.target_layers_path is set). Drop compile_config (pass disable_compile=True) or "
+                    "use the default dynamic cache."
+                )
+            self.capture.remove()
+            self.capture = Eagle3OutputFeatures(self.capture.layer_ids, len(self.capture.layers))
+        self.budget = budget = budget_for(  # how much each round drafts
+            call, model, input_ids, "compiled" if compiled else "static" if self.static else "eager")
+        if self.static:  # room for the longest row, one round's padded nodes and, for a batch, some holes
+            columns = generation_config.max_length + node_bucket(budget.most + 1) + (0 if self.single else COMPACT_SLACK)
+            self.cache = model_kwargs[self.cache_key] = static_cache_for(model, self.cache, input_ids.shape[0], columns)
+        self.pool = None  # a static cache's layers in one buffer (after the prefill)
         self.attention_mask = model_kwargs.get("attention_mask")
         self.pads = check_rows(input_ids, self.attention_mask, generation_config, self.cache, budget.most + 1)
-        if self.single and hasattr(self.cache, "activate_past_recording"):
+        if self.single and not self.static and hasattr(self.cache, "activate_past_recording"):
             self.cache.activate_past_recording()  # sliding layers keep what a rollback needs until the gather
         self.window = sliding_window(self.cache)
         # the draft cache holds the longest row and one round's tree
@@ -284,6 +312,8 @@ class _Loop:
         self.valid = (self.attention_mask.bool() if self.attention_mask is not None
                       else torch.ones(input_ids.shape, dtype=torch.bool, device=self.device))
         self.masked = self.single and self.attention_mask is not None and not bool(self.valid.all())
+        if self.static:
+            self.pool = StaticPool(self.cache, input_ids.shape[1])
         position_ids = self.model_kwargs.get("position_ids")  # each row's next position: after its last one given,
         self.positions = (position_ids[:, -1] + 1 if position_ids is not None  # else its real tokens so far
                           else self.valid.sum(-1))
@@ -350,6 +380,8 @@ class _Loop:
             in the cache.
         """
         nodes = max(t.tokens.shape[0] for t in trees)
+        if self.static:
+            return self._verify_static(trees, nodes)
         if not self.single:
             # The longest row's cached tokens, from host lengths (positions[b] == len(ids) - 1 - pads[b]).
             longest = max(len(row.ids) - 1 - self.pads[row.index] for row in self.rows)
@@ -375,6 +407,33 @@ class _Loop:
         )
         logits = outputs.logits[:, -nodes:].to(dtype=torch.float32, device=device)
         return logits, self._features(), start
+
+    def _verify_static(self, trees: list, nodes: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """:meth:`verify` on a static cache: every row of the call (a finished row's nodes see only themselves), the
+        nodes padded to a bucket's width, the mask over the cache's capacity; compacted only when out of room."""
+        width, pool = node_bucket(nodes), self.pool
+        if self.valid.shape[1] + width > pool.capacity:  # a batch whose holes fill the capacity
+            longest = max(len(row.ids) - 1 - self.pads[row.index] for row in self.rows)
+            order = compaction_order(self.valid, longest)
+            pool.gather_rows(order, 0)
+            self.valid = self.valid.gather(1, order)
+        start, device = self.valid.shape[1], self.device
+        placed = [None] * self.valid.shape[0]  # each cache row's tree (None: a finished row)
+        for row, tree in zip(self.rows, trees):
+            placed[row.index] = tree
+        blank = torch.zeros(width, dtype=torch.long, device=device)
+        tokens = torch.stack([_padded(t.tokens.to(device), width) if t is not None else blank for t in placed])
+        depths = torch.stack([_padded(t.depths.to(device), width) if t is not None else blank for t in placed])
+        mask = static_tree_mask(self.valid, [t.ancestors if t is not None else None for t in placed], width,
+                                pool.capacity, self.dtype)
+        outputs = self.capture.forward(self.forward, input_ids=tokens, position_ids=self.positions[:, None] + depths,
+                                       attention_mask=mask, use_cache=True, **{self.cache_key: self.cache})
+        pool.wrote(width)
+        logits, features = outputs.logits[:, :nodes], self._features()
+        if len(self.rows) < len(placed):  # the unfinished rows, in their order
+            index = torch.tensor([row.index for row in self.rows], device=device)
+            logits, features = logits.index_select(0, index), features.index_select(0, index.to(features.device))
+        return logits.to(dtype=torch.float32), features, start
 
     def accept(self, one: _Round, logits: torch.Tensor, features: torch.Tensor) -> tuple[list, list]:
         """The round's one read-back (every row's planes: tree, then the argmax or the sampling decisions; for
@@ -422,6 +481,9 @@ class _Loop:
         rolled back to their window). A batch: a shorter path than the longest leaves holes; when every row keeps
         every entry of the forward in order (a round that drafted nothing), the cache stays as it is."""
         width = max(len(p) for p in kept)
+        if self.static:
+            self._commit_static(one, kept, start, width)
+            return
         if self.single:
             gather_cache(self.cache, kept[0], one.trees[0].tokens.shape[0])
             if self.masked:  # the only use of a row's validity mask: its prompt's masked positions
@@ -432,6 +494,23 @@ class _Loop:
             index = torch.tensor([p + [0] * (width - len(p)) for p in kept], dtype=torch.long)
             gather_entries(self.cache, index.to(self.device), start)
         block = torch.tensor([[True] * len(p) + [False] * (width - len(p)) for p in kept])
+        self.valid = torch.cat([self.valid, block.to(self.device)], dim=1)
+        self.positions = self.positions + block.sum(-1).to(self.device)
+
+    def _commit_static(self, one: _Round, kept: list, start: int, width: int) -> None:
+        """:meth:`commit` on a static cache: every row of the call keeps its accepted path (a finished row keeps
+        nothing: its entries are holes), with one gather for all layers unless every path is in order, then the
+        layers write the next round after them."""
+        rows = self.valid.shape[0]
+        paths = [[] for _ in range(rows)]
+        for row, path in zip(self.rows, kept):
+            paths[row.index] = path
+        if all(path == list(range(len(path))) for path in paths):
+            self.pool.set_length(start + width)
+        else:
+            index = torch.tensor([p + list(range(len(p), width)) for p in paths], dtype=torch.long)
+            self.pool.gather_rows(index.to(self.device), start)
+        block = torch.tensor([[True] * len(p) + [False] * (width - len(p)) for p in paths])
         self.valid = torch.cat([self.valid, block.to(self.device)], dim=1)
         self.positions = self.positions + block.sum(-1).to(self.device)
 
@@ -452,6 +531,7 @@ class _Loop:
         if remaining and len(remaining) < len(self.rows):
             kept = [i for i, r in enumerate(self.rows) if r in remaining]
             self.drafter.keep_rows(kept)
+        if remaining and len(remaining) < len(self.rows) and not self.static:  # a static cache keeps its rows
             keep = torch.tensor(kept, dtype=torch.long, device=self.device)
             keep_rows(self.cache, keep)
             self.valid, self.positions = self.valid[keep], self.positions[keep]

@@ -7,7 +7,7 @@ the cached prefix and its ancestors).
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticLayer
 
 from .transformers_compat import DynamicLayer, is_plain_dynamic_layer
 from .transformers_compat import is_sliding_layer as sliding_layer
@@ -308,7 +308,8 @@ def cache_entry(model_kwargs: dict) -> tuple[str, object]:
 def decoding_cache(model_kwargs: dict, generation_config, loop: str) -> tuple[str, object]:
     """
     The target's cache of this ``generate`` call and the keyword it travels under, after the checks both EAGLE-3 loops
-    share: a cache whose entries can be gathered, and no attentions / hidden states asked for (they return neither).
+    share: a cache whose entries can be gathered (a dynamic cache, or a static one whose layers all attend fully), and
+    no attentions / hidden states asked for (they return neither).
 
     Args:
         model_kwargs (`dict`): the prepared model kwargs.
@@ -324,15 +325,18 @@ def decoding_cache(model_kwargs: dict, generation_config, loop: str) -> tuple[st
     key, cache = cache_entry(model_kwargs)
     if cache is None or not generation_config.use_cache:
         raise ValueError(f"{loop} requires a cache (use_cache=True).")
-    check_tree_cache(cache)
+    if is_static_cache(cache):
+        check_static_cache(cache, loop)
+    else:
+        check_tree_cache(cache)
     return key, cache
 
 
 def prefill(model, input_ids: torch.LongTensor, model_kwargs: dict, cache, capacity: int, forward=None) -> torch.Tensor:
     """
     The target's first forward, over the prompt(s), which fills ``cache``, whose full-attention layers then move into
-    buffers of ``capacity`` columns (:func:`preallocate`); returns the float32 logits at the last position ``[B, V]``
-    (on ``input_ids``' device).
+    buffers of ``capacity`` columns (:func:`preallocate`; a static cache keeps its own); returns the float32 logits at
+    the last position ``[B, V]`` (on ``input_ids``' device).
 
     Args:
         model (`PreTrainedModel`): the target.
@@ -348,8 +352,9 @@ def prefill(model, input_ids: torch.LongTensor, model_kwargs: dict, cache, capac
         model_inputs["logits_to_keep"] = 1
     outputs = forward(model, **model_inputs) if forward is not None else model(**model_inputs)
     logits = outputs.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
-    check_tree_cache(cache)  # layers are created lazily by the first forward
-    preallocate(cache, capacity)
+    if not is_static_cache(cache):
+        check_tree_cache(cache)  # layers are created lazily by the first forward
+        preallocate(cache, capacity)
     return logits
 
 
@@ -503,11 +508,21 @@ def compact(cache, valid: torch.BoolTensor) -> torch.BoolTensor:
         cache (`DynamicCache`): the target's cache.
         valid (`torch.BoolTensor` [B, T]): which entries of each row are real.
     """
-    length = int(valid.sum(-1).max())
-    # Stable order: holes first, then the valid entries in their order; keep the last `length` of them.
-    order = torch.sort(valid.long(), dim=-1, stable=True).indices[:, -length:]
+    order = compaction_order(valid, int(valid.sum(-1).max()))
     gather_entries(cache, order, 0)
     return valid.gather(1, order)
+
+
+def compaction_order(valid: torch.BoolTensor, length: int) -> torch.LongTensor:
+    """
+    Per row, the entries a compaction keeps, in order: its valid entries at the right end, holes before them, ``length``
+    in all (a stable sort: holes first, then the valid entries in their order; the last ``length`` of them).
+
+    Args:
+        valid (`torch.BoolTensor` [B, T]): which entries of each row are real.
+        length (`int`): entries kept per row (at least the most valid entries of a row).
+    """
+    return torch.sort(valid.long(), dim=-1, stable=True).indices[:, -length:]
 
 
 def batch_tree_mask(cache, valid: torch.BoolTensor, trees: list, nodes: int, dtype):
@@ -536,3 +551,187 @@ def batch_tree_mask(cache, valid: torch.BoolTensor, trees: list, nodes: int, dty
     mask = mask[:, None]
     kinds = {"sliding_attention" if sliding_layer(layer) else "full_attention" for layer in cache.layers}
     return {kind: mask for kind in kinds} if len(kinds) > 1 else mask
+
+
+# ------------------------------------------------------------------------------------------------ static caches
+NODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a static round's forward is padded to one of these widths (one graph each)
+
+
+def is_static_cache(cache) -> bool:
+    """
+    Whether ``cache`` is a static cache (``cache_implementation="static"``: Transformers' ``StaticCache``, layers of
+    a fixed capacity written in place).
+
+    Args:
+        cache (`Cache`): the target's cache of a ``generate`` call.
+    """
+    layers = getattr(cache, "layers", None)
+    return not isinstance(cache, DynamicCache) and bool(layers) and all(isinstance(layer, StaticLayer)
+                                                                         for layer in layers)
+
+
+def check_static_cache(cache, loop: str) -> None:
+    """
+    Raise ``ValueError`` unless every layer of the static ``cache`` attends fully (a static sliding-window layer is a
+    ring of the window's entries, which a tree's gather cannot keep in order).
+
+    Args:
+        cache (`StaticCache`): the target's cache of this ``generate`` call.
+        loop (`str`): the loop's name, for the error message.
+    """
+    odd = [i for i, layer in enumerate(cache.layers) if type(layer) is not StaticLayer]
+    if odd:
+        raise ValueError(
+            f"{loop} on a static cache needs layers that attend fully; layer {odd[0]} is a "
+            f"{type(cache.layers[odd[0]]).__name__}. Use the default dynamic cache (drop cache_implementation) for "
+            "this target."
+        )
+
+
+def node_bucket(nodes: int) -> int:
+    """
+    The width a static round's forward is padded to: the least of :data:`NODE_BUCKETS` holding ``nodes`` (one compiled
+    graph per width used).
+
+    Args:
+        nodes (`int`): tokens per row the round verifies (the root included).
+    """
+    return next((b for b in NODE_BUCKETS if b >= nodes), nodes)
+
+
+def static_cache_for(model, cache, rows: int, columns: int):
+    """
+    A static cache of at least ``columns`` entries per row: ``cache`` when it holds them (``generate`` sizes it to
+    ``max_length - 1``, or to ``max_cache_len``), else a new one of the next power of two (at least 256, so that calls
+    of similar lengths share a capacity and a compiled graph).
+
+    Args:
+        model (`PreTrainedModel`): the target.
+        cache (`StaticCache`): the call's cache, not yet filled.
+        rows (`int`): the batch size.
+        columns (`int`): entries per row the call writes at most (its longest row plus one round's nodes).
+    """
+    from transformers import StaticCache
+
+    from .draft_cache import static_capacity
+
+    if cache.get_max_length() >= columns:
+        return cache
+    return StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=static_capacity(columns))
+
+
+class StaticPool:
+    r"""
+    The layers of a static target cache moved, after the prefill, into one buffer ``[2, layers, B, kv_heads,
+    capacity, D]`` (and their lengths into one tensor), so that a round's commit moves the accepted entries of every
+    layer with one gather and one copy, and sets every layer's length with one fill. The layers keep writing a
+    forward's entries in place at their ``cumulative_length``, at addresses that never change (what a compiled
+    forward and a CUDA graph need); the pool keeps the length on the host too, so nothing is read back.
+
+    Args:
+        cache (`StaticCache`): the target's cache, filled by the prefill (:func:`check_static_cache` passed).
+        length (`int`): entries per row the prefill wrote.
+    """
+
+    def __init__(self, cache, length: int):
+        layers = list(cache.layers)
+        first = layers[0].keys
+        if any(layer.keys.shape != first.shape or layer.values.shape != first.shape for layer in layers):
+            raise ValueError("EAGLE-3 decoding on a static cache needs one key/value shape across the target's "
+                             "layers. Use the default dynamic cache (drop cache_implementation) for this target.")
+        self.buffer = first.new_empty(2, len(layers), *first.shape)
+        self.lengths = torch.full((len(layers),), length, dtype=layers[0].cumulative_length.dtype,
+                                  device=layers[0].cumulative_length.device)
+        for slot, layer in enumerate(layers):
+            self.buffer[0, slot], self.buffer[1, slot] = layer.keys, layer.values
+            layer.keys, layer.values = self.buffer[0, slot], self.buffer[1, slot]
+            layer.cumulative_length = self.lengths[slot]
+            for tensor in (layer.keys, layer.values, layer.cumulative_length):
+                torch._dynamo.mark_static_address(tensor)
+        self.length = length
+
+    @property
+    def capacity(self) -> int:
+        """Entries each row holds."""
+        return self.buffer.shape[-2]
+
+    def wrote(self, n: int) -> None:
+        """
+        Count a forward of ``n`` tokens per row (the layers advanced their lengths themselves).
+
+        Args:
+            n (`int`): tokens per row of the forward.
+        """
+        self.length += n
+
+    def set_length(self, length: int) -> None:
+        """
+        Every layer's next forward writes from entry ``length`` on (one fill for all layers).
+
+        Args:
+            length (`int`): entries per row kept.
+        """
+        self.lengths.fill_(length)
+        self.length = length
+
+    def keep(self, keep: torch.LongTensor | None, count: int, num_new: int) -> None:
+        """
+        Of the last ``num_new`` entries, keep ``count``: those at ``keep`` (in order), all layers with one gather and
+        one copy; the first ``count`` when ``keep`` is ``None`` (nothing moves).
+
+        Args:
+            keep (`torch.LongTensor` [count] or `None`): indices in ``[0, num_new)``.
+            count (`int`): entries kept.
+            num_new (`int`): tokens of the latest forward.
+        """
+        start = self.length - num_new
+        if keep is not None:
+            index = keep.to(self.buffer.device) + start
+            self.buffer[..., start : start + count, :] = self.buffer.index_select(-2, index)
+        self.set_length(start + count)
+
+    def gather_rows(self, index: torch.LongTensor, start: int) -> None:
+        """
+        Replace every layer's entries from ``start`` on by the entries at ``start + index[b]`` of each row b (one
+        gather and one copy for all layers), and write the next forward after them.
+
+        Args:
+            index (`torch.LongTensor` [B, A]): per row, the entries to keep (relative to ``start``), in order.
+            start (`int`): the first entry rewritten.
+        """
+        width = index.shape[1]
+        shape = self.buffer.shape
+        idx = (index.to(self.buffer.device) + start)[None, None, :, None, :, None]
+        idx = idx.expand(shape[0], shape[1], -1, shape[3], -1, shape[5])
+        self.buffer[..., start : start + width, :] = self.buffer.gather(4, idx)
+        self.set_length(start + width)
+
+
+def static_tree_mask(valid: torch.BoolTensor, ancestors: list, nodes: int, capacity: int, dtype):
+    """The 4D additive mask of a tree forward on a static cache of ``capacity`` entries per row: each node sees its
+    row's valid entries and its own ancestors (itself included); the padding nodes of a smaller tree, and every node
+    of a row given no tree (a finished row kept in the batch), see only themselves; entries past the forward's are
+    hidden.
+
+    Args:
+        valid (`torch.BoolTensor` [B, T]): real entries of each row (T: the entries before the forward).
+        ancestors (`list`): per row, its tree's ``ancestors`` [n, n], or ``None`` for a row given no tree.
+        nodes (`int`): tokens of the forward per row (a width of :data:`NODE_BUCKETS`).
+        capacity (`int`): the cache's entries per row.
+        dtype: the target's dtype.
+
+    Returns:
+        A float tensor [B, 1, nodes, capacity].
+    """
+    rows, past = valid.shape
+    device = valid.device
+    allowed = torch.zeros(rows, nodes, capacity, dtype=torch.bool, device=device)
+    allowed[:, :, past : past + nodes] = torch.eye(nodes, dtype=torch.bool, device=device)
+    for b, tree in enumerate(ancestors):
+        if tree is None:
+            continue
+        n = tree.shape[0]
+        allowed[b, :, :past] = valid[b]
+        allowed[b, :n, past : past + n] = tree.to(device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]

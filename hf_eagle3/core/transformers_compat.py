@@ -72,6 +72,9 @@ PRIVATE_NAMES = (
                 "accepted entries of sliding-window layers and shrink them back to the window", "5.20-5.25"),
     PrivateName("transformers.cache_utils.LinearAttentionCacheLayerMixin", "recognise recurrent / linear-attention "
                 "layers of hybrid targets, to refuse trees and batches before any work", "5.20-5.25"),
+    PrivateName("GenerationMixin._valid_auto_compile_criteria", "the package's loop on a static cache compiles the "
+                "target's round forwards exactly where Transformers' own decoding would (a compile_config, an "
+                "accelerator, no offload; used from 5.24, where assisted decoding takes a static cache)", "5.20-5.25"),
     PrivateName("transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS", "the draft's RoPE scalings (llama3, linear, "
                 "yarn, ...) computed as the target computes them", "5.20-5.25"),
 )
@@ -107,6 +110,8 @@ def _fix() -> str:
 def missing_private_names() -> list[str]:
     """The names of :data:`PRIVATE_NAMES` (and wrapped signatures) the installed Transformers lacks or changed."""
     missing = []
+    if not callable(getattr(GenerationMixin, "_valid_auto_compile_criteria", None)):
+        missing.append("GenerationMixin._valid_auto_compile_criteria")
     for method, params in (("_get_candidate_generator", _GET_CANDIDATE_GENERATOR_PARAMS),
                            ("_assisted_decoding", set(ASSISTED_DECODING_PARAMS))):
         fn = getattr(GenerationMixin, method, None)
@@ -209,6 +214,26 @@ def unrollable_attention_layers(cache) -> list[int]:
     """
     return [i for i, layer in enumerate(_cache_layers(cache))
             if not isinstance(layer, LinearAttentionCacheLayerMixin) and getattr(layer, "is_croppable", True) is False]
+
+
+def round_forward(model, model_kwargs: dict, generation_config):
+    """
+    What runs the target's forwards of the package's rounds on a static cache: Transformers' compiled call
+    (``model.get_compiled_call(generation_config.compile_config)``) where its own decoding would compile (a static cache
+    and an accelerator, or a ``compile_config`` that asks for every device; no offload, a compileable quantiser),
+    else the model itself.
+
+    Args:
+        model (`PreTrainedModel`): the target.
+        model_kwargs (`dict`): the prepared model kwargs (the static cache among them).
+        generation_config (`GenerationConfig`): the call's config.
+
+    Returns:
+        ``(callable, compiled)``: the forward, and whether it is the compiled one.
+    """
+    if model._valid_auto_compile_criteria(model_kwargs, generation_config):
+        return model.get_compiled_call(generation_config.compile_config), True
+    return model, False
 
 
 def eos_token_ids(generation_config) -> set[int]:
