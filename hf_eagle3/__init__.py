@@ -21,7 +21,7 @@ from .core.modeling_eagle3 import Eagle3DraftModel
 from .core.stats import Eagle3Stats
 from .core.tree_drafter import DraftTree
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 AutoConfig.register(Eagle3Config.model_type, Eagle3Config, exist_ok=True)
 AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Worker of the multi-process training tests in ``test_training.py`` (run under torchrun, 2 processes).
+"""Worker of the multi-process training tests in ``training/test_parallel.py`` (run under torchrun, 2 processes).
 
 Usage: ``torchrun --nproc_per_node 2 ddp_train_worker.py FEATURES_DIR OUT_DIR MAX_MINUTES SELECT_BY MODE`` (0 minutes:
 step/epoch limits; SELECT_BY: ``holdout`` or ``last``; MODE: ``ddp`` or ``fsdp``). Records a fingerprint of every

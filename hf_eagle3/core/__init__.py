@@ -2,7 +2,7 @@
 
 Every ``*.py`` file of this folder except this one is copied verbatim into the bundle, so the folder is flat (the
 remote-code loader resolves ``from .x import y`` to a sibling file) and its files import only torch, transformers,
-the standard library and each other (``tests/test_import_cycles.py``).
+the standard library and each other (``tests/core/test_import_structure.py``).
 
 The draft model
     ``configuration_eagle3`` (the config and its checks), ``config_layouts`` (published config layouts),

@@ -24,8 +24,8 @@ from conftest import (
     token_p_values,
 )
 from conftest import cached_target as target_of
-from test_core_greedy import check_recorded_scores, draft_covering, oracle_select
-from test_core_sampling import ALPHA, PROMPT, SAMPLING, _broken_processors, plain_samples, target_like
+from test_greedy_identity import check_recorded_scores, draft_covering, oracle_select
+from test_sampling_distribution import ALPHA, PROMPT, SAMPLING, _broken_processors, plain_samples, target_like
 
 from hf_eagle3 import Eagle3CandidateGenerator
 from hf_eagle3.core import cost_model, draft_length_policy
@@ -372,74 +372,6 @@ def test_auto_sampling_keeps_target_distribution(broken, monkeypatch):
     else:
         assert accepted > 0.2
         assert min(p.values()) > ALPHA / 3, p
-
-
-# ------------------------------------------------------------------------------------------- saved by export/train
-@pytest.mark.parametrize("fmt", ["native", "flat", "speculators"])
-def test_export_writes_auto_unless_told(tmp_path, fmt):
-    import json
-
-    from hf_eagle3 import Eagle3DraftModel
-    from hf_eagle3.checkpoints.export import export_draft
-
-    draft = tiny_draft(target_of("llama"), 48, seed=6)
-    assert draft.generation_config.num_assistant_tokens_schedule == "constant"
-    export_draft(draft, tmp_path / "auto", format=fmt)
-    assert json.loads((tmp_path / "auto" / "generation_config.json").read_text())["num_assistant_tokens_schedule"] == "auto"
-    assert Eagle3DraftModel.from_pretrained(tmp_path / "auto").generation_config.num_assistant_tokens_schedule == "auto"
-    assert draft.generation_config.num_assistant_tokens_schedule == "constant"  # the draft passed in is unchanged
-    export_draft(draft, tmp_path / "keep", format=fmt, schedule=None)
-    saved = json.loads((tmp_path / "keep" / "generation_config.json").read_text())
-    assert saved["num_assistant_tokens_schedule"] == "constant"
-    with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
-        export_draft(draft, tmp_path / "bad", format=fmt, schedule="fast")
-    assert not (tmp_path / "bad").exists()
-
-
-def test_a_newly_trained_draft_saves_auto():
-    from hf_eagle3 import Eagle3Config
-    from hf_eagle3.training.trainer import init_draft
-
-    config = Eagle3Config(vocab_size=32, draft_vocab_size=16, hidden_size=16, intermediate_size=32,
-                          num_attention_heads=2, num_key_value_heads=1, target_hidden_size=16)
-    head = {"lm_head": torch.randn(32, 16)}
-    d2t = torch.zeros(16, dtype=torch.long)
-    t2d = torch.zeros(32, dtype=torch.bool)
-    t2d[:16] = True
-    draft = init_draft(config, head, d2t, t2d)
-    assert draft.generation_config.num_assistant_tokens_schedule == "auto"
-
-
-def test_speculators_export_carries_the_shared_embedding_when_the_target_is_known(tmp_path):
-    """speculators' own loader does not take the verifier's embedding when a checkpoint lacks one: the export writes
-    the target's (as speculators' checkpoints carry it) when it knows the target, and warns when it does not."""
-    from safetensors.torch import load_file
-
-    from hf_eagle3 import Eagle3DraftModel
-    from hf_eagle3.checkpoints.export import export_draft
-
-    target = target_of("llama")
-    draft = tiny_draft(target, 48, seed=9)
-    with pytest.warns(UserWarning, match="embed_tokens"):
-        export_draft(draft, tmp_path / "bare", format="speculators")
-    assert "embed_tokens.weight" not in load_file(str(tmp_path / "bare" / "model.safetensors"))
-    export_draft(draft, tmp_path / "full", format="speculators", target=target)
-    weights = load_file(str(tmp_path / "full" / "model.safetensors"))
-    assert torch.equal(weights["embed_tokens.weight"], target.get_input_embeddings().weight)
-    reloaded = Eagle3DraftModel.from_pretrained(tmp_path / "full")
-    ids = random_prompt(6, seed=9)
-    feats = torch.randn(1, 6, 3 * target.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    draft.bind_target(target)
-    with torch.no_grad():
-        a = draft(input_ids=ids, target_features=feats).logits
-        b = reloaded(input_ids=ids, target_features=feats).logits
-    torch.testing.assert_close(a, b)
-    from conftest import tiny_target
-
-    other = tiny_target("llama", hidden_size=32, intermediate_size=64)  # a target the draft does not fit
-    with pytest.raises(ValueError, match="hidden"):
-        export_draft(tiny_draft(target, 48, seed=9), tmp_path / "bad", format="speculators", target=other)
-    assert not (tmp_path / "bad").exists()  # refused before anything was written
 
 
 def test_static_steps_are_timed_on_a_cache_of_the_calls_capacity(monkeypatch):

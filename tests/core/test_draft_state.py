@@ -9,7 +9,6 @@ from conftest import tiny_draft, tiny_target
 
 from hf_eagle3.core.draft_state import Eagle3DraftState
 from hf_eagle3.core.draft_steps import chain_step
-from hf_eagle3.core.tree_drafter import DraftTree
 
 
 class FakeCapture:
@@ -72,7 +71,3 @@ def test_feed_drops_speculative_entries_and_bookkeeping_is_checked():
     with pytest.raises(RuntimeError, match="bookkeeping"):
         state.collect(FakeCapture(features[:, :2]), tokens[:1], end=3)  # would start at 1, the draft has 6
 
-
-def test_root_only_tree():
-    tree = DraftTree.root_only(torch.tensor([7]))
-    assert tree.tokens.tolist() == [7] and tree.parents.tolist() == [0] and tree.ancestors.tolist() == [[True]]

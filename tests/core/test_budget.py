@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import greedy, random_prompt, tiny_draft
 from conftest import cached_target as target_of
-from test_core_greedy import draft_covering, oracle_select
+from test_greedy_identity import draft_covering, oracle_select
 
 from hf_eagle3 import Eagle3CandidateGenerator
 from hf_eagle3.core import cost_model

@@ -5,13 +5,16 @@ fields of the published drafts: the Llama-3.1-8B draft (flat layout, ``midlayer.
 ``rope_theta`` / ``head_dim``, float16 ``pytorch_model.bin``), the Llama-3.3-70B draft (own ``embed_tokens``,
 ``target_hidden_size`` != ``hidden_size``), the `speculators` layout (``layers.0.*``, nested
 ``transformer_layer_config``) and our own ``save_pretrained`` output. Each must behave exactly like the same weights
-loaded natively.
+loaded natively. A ``config.json`` that lacks a required field, holds a wrong type or is not JSON is refused naming
+the file and the field.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +25,10 @@ from transformers import AutoConfig, AutoModel
 
 from hf_eagle3 import Eagle3CandidateGenerator, Eagle3Config, Eagle3DraftModel, Eagle3FeatureCapture
 from hf_eagle3.core.config_layouts import config_dict_to_native, native_to_flat_config, native_to_speculators_config
+from hf_eagle3.loading import shipped_draft_path
 
 V, T = 256, 64  # target vocabulary and hidden size (conftest.TINY)
+SHIPPED_DRAFT = shipped_draft_path()
 
 
 def random_state(config: Eagle3Config, seed: int = 0, dtype=torch.float32) -> dict:
@@ -451,3 +456,55 @@ def test_generate_errors_leave_no_hooks():
     assert "padding_side" in str(err.value)
     assert hooks(t) == before and no_pre_hooks(t)
     assert torch.equal(t.generate(ids, do_sample=False, max_new_tokens=5), reference)
+
+
+# ------------------------------------------------------------------------------------------------ malformed config
+def _shipped_copy(tmp_path, edit) -> Path:
+    path = tmp_path / "draft"
+    shutil.copytree(SHIPPED_DRAFT, path)
+    cfg = json.loads((path / "config.json").read_text())
+    text = edit(cfg)
+    (path / "config.json").write_text(text if isinstance(text, str) else json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("loader", ["config", "model"])
+def test_a_draft_config_without_a_required_field_names_file_and_field(tmp_path, loader):
+    from hf_eagle3 import Eagle3Config, Eagle3DraftModel
+    from hf_eagle3.core.configuration_eagle3 import DraftConfigError
+
+    path = _shipped_copy(tmp_path, lambda cfg: cfg.pop("vocab_size"))
+    load = Eagle3Config.from_pretrained if loader == "config" else Eagle3DraftModel.from_pretrained
+    with pytest.raises(DraftConfigError, match=r"field 'vocab_size' is missing; expected a positive integer") as err:
+        load(path)
+    assert isinstance(err.value, ValueError) and str(path / "config.json") in str(err.value)
+    # no model_type either (read as the flat layout): still a DraftConfigError naming the field, not a bare KeyError
+    path = tmp_path / "flat"
+    shutil.copytree(tmp_path / "draft", path)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["model_type"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DraftConfigError, match="field 'vocab_size' is missing"):
+        Eagle3DraftModel.from_pretrained(path)
+    with pytest.raises(DraftConfigError, match=r"field 'hidden_size' is 'wide'; expected a positive integer"):
+        load(_shipped_copy(tmp_path / "typed", lambda cfg: cfg.update(hidden_size="wide")))
+
+
+def test_a_draft_config_that_is_not_json_names_the_file(tmp_path):
+    from hf_eagle3 import Eagle3Config, Eagle3DraftModel
+    from hf_eagle3.core.config_layouts import config_dict_to_native
+    from hf_eagle3.core.configuration_eagle3 import DraftConfigError, read_config_file
+
+    path = _shipped_copy(tmp_path, lambda cfg: json.dumps(cfg)[:-20])
+    for load in (Eagle3Config.from_pretrained, Eagle3DraftModel.from_pretrained,
+                 lambda p: read_config_file(p / "config.json")):
+        with pytest.raises(DraftConfigError, match=r"config\.json: not valid JSON \(.*line 1") as err:
+            load(path)
+        assert str(path / "config.json") in str(err.value)
+    with pytest.raises(DraftConfigError, match="expected a JSON object"):
+        config_dict_to_native([1, 2], source="x/config.json")
+    spec = {"speculators_model_type": "eagle3", "transformer_layer_config": {"vocab_size": 10, "hidden_size": 8,
+                                                                           "intermediate_size": 16}}
+    field = r"x\.json: field 'transformer_layer_config\.num_attention_heads' is missing"
+    with pytest.raises(DraftConfigError, match=field):
+        config_dict_to_native(spec, source="x.json")

@@ -35,7 +35,7 @@ print(json.dumps({{"peak_kib": peak, "tokens": sequences.shape[1] - ids.shape[1]
 
 def peak(**kwargs) -> dict:
     """Peak resident memory (KiB) and new tokens of one call in a fresh process."""
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where conftest.py is
     out = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=tests), json.dumps(kwargs)], capture_output=True,
                          text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,4 +1,5 @@
-"""Exports: trust_remote_code bundles loaded where hf_eagle3 is NOT importable, and flat / speculators round trips."""
+"""Exports: trust_remote_code bundles loaded where hf_eagle3 is NOT importable, flat / speculators round trips, the
+draft-length schedule every format saves (``"auto"`` unless told), and the target's embedding in speculators exports."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
+from conftest import cached_target, random_prompt, tiny_draft, tiny_target
 from safetensors import safe_open
 
 import hf_eagle3
@@ -413,3 +414,65 @@ def test_cli_export_formats(tmp_path, capsys):
         export_draft(draft, tmp_path / "x", format="flat", remote_code=True)
     with pytest.raises(SystemExit):  # argparse rejects unknown choices
         _cli(["export", str(tmp_path / "src"), str(tmp_path / "x"), "--dtype", "int8"])
+
+
+# ------------------------------------------------------------------------------------------- saved by export/train
+@pytest.mark.parametrize("fmt", ["native", "flat", "speculators"])
+def test_export_writes_auto_unless_told(tmp_path, fmt):
+    from hf_eagle3 import Eagle3DraftModel
+
+    draft = tiny_draft(cached_target("llama"), 48, seed=6)
+    assert draft.generation_config.num_assistant_tokens_schedule == "constant"
+    export_draft(draft, tmp_path / "auto", format=fmt)
+    assert json.loads((tmp_path / "auto" / "generation_config.json").read_text())["num_assistant_tokens_schedule"] == "auto"
+    assert Eagle3DraftModel.from_pretrained(tmp_path / "auto").generation_config.num_assistant_tokens_schedule == "auto"
+    assert draft.generation_config.num_assistant_tokens_schedule == "constant"  # the draft passed in is unchanged
+    export_draft(draft, tmp_path / "keep", format=fmt, schedule=None)
+    saved = json.loads((tmp_path / "keep" / "generation_config.json").read_text())
+    assert saved["num_assistant_tokens_schedule"] == "constant"
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
+        export_draft(draft, tmp_path / "bad", format=fmt, schedule="fast")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_newly_trained_draft_saves_auto():
+    from hf_eagle3 import Eagle3Config
+    from hf_eagle3.training.trainer import init_draft
+
+    config = Eagle3Config(vocab_size=32, draft_vocab_size=16, hidden_size=16, intermediate_size=32,
+                          num_attention_heads=2, num_key_value_heads=1, target_hidden_size=16)
+    head = {"lm_head": torch.randn(32, 16)}
+    d2t = torch.zeros(16, dtype=torch.long)
+    t2d = torch.zeros(32, dtype=torch.bool)
+    t2d[:16] = True
+    draft = init_draft(config, head, d2t, t2d)
+    assert draft.generation_config.num_assistant_tokens_schedule == "auto"
+
+
+def test_speculators_export_carries_the_shared_embedding_when_the_target_is_known(tmp_path):
+    """speculators' own loader does not take the verifier's embedding when a checkpoint lacks one: the export writes
+    the target's (as speculators' checkpoints carry it) when it knows the target, and warns when it does not."""
+    from safetensors.torch import load_file
+
+    from hf_eagle3 import Eagle3DraftModel
+
+    target = cached_target("llama")
+    draft = tiny_draft(target, 48, seed=9)
+    with pytest.warns(UserWarning, match="embed_tokens"):
+        export_draft(draft, tmp_path / "bare", format="speculators")
+    assert "embed_tokens.weight" not in load_file(str(tmp_path / "bare" / "model.safetensors"))
+    export_draft(draft, tmp_path / "full", format="speculators", target=target)
+    weights = load_file(str(tmp_path / "full" / "model.safetensors"))
+    assert torch.equal(weights["embed_tokens.weight"], target.get_input_embeddings().weight)
+    reloaded = Eagle3DraftModel.from_pretrained(tmp_path / "full")
+    ids = random_prompt(6, seed=9)
+    feats = torch.randn(1, 6, 3 * target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    draft.bind_target(target)
+    with torch.no_grad():
+        a = draft(input_ids=ids, target_features=feats).logits
+        b = reloaded(input_ids=ids, target_features=feats).logits
+    torch.testing.assert_close(a, b)
+    other = tiny_target("llama", hidden_size=32, intermediate_size=64)  # a target the draft does not fit
+    with pytest.raises(ValueError, match="hidden"):
+        export_draft(tiny_draft(target, 48, seed=9), tmp_path / "bad", format="speculators", target=other)
+    assert not (tmp_path / "bad").exists()  # refused before anything was written

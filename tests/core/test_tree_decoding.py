@@ -38,6 +38,7 @@ import hf_eagle3.core.tree_policy as tree_policy
 from hf_eagle3.core import batch_drafter, cost_model, draft_length_policy
 from hf_eagle3.core.draft_state import Eagle3DraftState
 from hf_eagle3.core.generate_hook import _ACTIVE
+from hf_eagle3.core.tree_drafter import DraftTree
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
 SHAPES = [(1, 1, 1), (1, 4, 4), (2, 3, 1), (4, 4, 8), (3, 3, 12)]  # (top_k, depth, total_tokens)
@@ -164,6 +165,11 @@ def test_tree_expansion_matches_sequential_draft_steps():
         drafter.add(torch.randn(1, 2, 3 * 64), prompt(2), [2])
         drafter.feed()
         assert drafter.cache.get_seq_length() == real + 2
+
+
+def test_root_only_tree():
+    tree = DraftTree.root_only(torch.tensor([7]))
+    assert tree.tokens.tolist() == [7] and tree.parents.tolist() == [0] and tree.ancestors.tolist() == [[True]]
 
 
 def test_eos_and_max_new_tokens_inside_a_round():
@@ -368,7 +374,7 @@ def test_auto_tree_rounds_without_a_tree_stay_lossless(arch, monkeypatch):
     assert stats.num_target_forwards == stats.num_drafts + stats.num_rounds_without_draft + 1
     # What the draft consumed, feeds after deferrals included, is exactly the target's features of the final sequence
     # at positions 0..n-1, each paired with the token that follows it.
-    from test_core_greedy import target_features
+    from test_greedy_identity import target_features
 
     from hf_eagle3 import find_decoder_layers
 

@@ -7,7 +7,7 @@ import torch
 
 import hf_eagle3
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DRAFT = ROOT / "examples" / "drafts" / "smollm2-135m-eagle3"
 
 # In float32, these 3 prompts x 48 tokens give the shipped draft a mean acceptance length of 1.74 (80 rounds); a

@@ -216,7 +216,7 @@ def test_committed_self_prompts_are_distinct_clean_and_answered():
     import gzip
     from pathlib import Path
 
-    data = Path(__file__).resolve().parents[1] / "examples" / "data" / "smollm2-135m-instruct-responses"
+    data = Path(__file__).resolve().parents[2] / "examples" / "data" / "smollm2-135m-instruct-responses"
     files = sorted(data.glob("self_prompts-*.jsonl"))
     assert len(files) >= 3  # seeds 0, 1 and 2
     seen, rule = {}, PromptFilter()

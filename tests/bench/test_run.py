@@ -17,7 +17,7 @@ from hf_eagle3.bench import run as bench
 from hf_eagle3.bench import strategies as bench_strategies
 from hf_eagle3.core import cost_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ByteTokenizer:

@@ -4,7 +4,7 @@ buffers preallocated for the call (:class:`PreallocatedLayer`), so a round write
 Checked: every round of a tree call and of a batched call writes into the same buffers (no reallocation, no copy of
 the cache); the cache a tree call returns holds what plain ``generate``'s holds for the same sequence; a layer grows
 past its capacity, adopts rows selected out of it, and starts again after a reset; sliding-window layers keep their
-own storage. Lossless decoding on these caches is the subject of ``test_tree.py`` and ``test_batched.py``.
+own storage. Lossless decoding on these caches is the subject of ``test_tree_decoding.py`` and ``test_batched_decoding.py``.
 """
 
 from __future__ import annotations

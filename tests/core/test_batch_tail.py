@@ -19,7 +19,7 @@ import torch
 from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
 from conftest import known_costs, tiny_draft
-from test_cost_model import costs, estimate
+from test_draft_length_policy import costs, estimate
 
 from hf_eagle3.core import draft_length_policy, tree_policy
 from hf_eagle3.core.batch_tail import ONE_ROW, BatchRows, expected_max_of_normals
@@ -287,7 +287,7 @@ def test_a_call_starts_from_the_last_one_at_its_batch_size(monkeypatch):
 def test_a_batched_call_carries_how_far_its_rows_differed(monkeypatch):
     """A batched call leaves on the draft how far its rows' acceptance differed (the spread of their shares); the next
     batched call's rounds weigh their rows with it; a call of one row compares no rows and leaves it."""
-    from test_batched import CHAIN, batch_draft, batch_target, oracle_generate, padded_batch
+    from test_batched_decoding import CHAIN, batch_draft, batch_target, oracle_generate, padded_batch
 
     target, draft = batch_target("llama"), batch_draft("llama")
     draft.drafting_memory.rows_spread = None

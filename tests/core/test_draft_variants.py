@@ -27,7 +27,7 @@ from conftest import (
     tiny_target,
     token_p_values,
 )
-from test_core_loaders import (
+from test_draft_loading import (
     llama31_8b_config,
     native_from_state,
     random_state,
@@ -199,7 +199,7 @@ def test_greedy_identity_norm_output_and_window_shorter_than_prompt(k):
 
 
 def test_sampling_keeps_distribution_with_norm_output_and_window():
-    """The chi-square test of tests/test_core_sampling.py with an EAGLE 3.1 draft whose window (2) is shorter than
+    """The chi-square test of tests/core/test_sampling_distribution.py with an EAGLE 3.1 draft whose window (2) is shorter than
     the prompt (4)."""
     target, base = sampling_models()
     draft = tiny_draft(target, 16, hidden_size=32, intermediate_size=48, norm_output=True, draft_sliding_window=2,
