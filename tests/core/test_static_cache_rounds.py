@@ -26,9 +26,9 @@ from conftest import (
     tiny_target,
     token_p_values,
 )
-from test_batched import OracleDrafter, padded_batch
+from test_batched_decoding import OracleDrafter, padded_batch
 from test_target_cache import _Ops
-from test_tree import oracle
+from test_tree_decoding import oracle
 from transformers import CompileConfig, StaticCache
 
 from hf_eagle3.core import decoding_loop, draft_cache
