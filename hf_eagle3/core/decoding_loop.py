@@ -25,6 +25,7 @@ recursive rejection sampling, which keeps the target's distribution). See ``docs
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,7 @@ from .transformers_compat import eos_token_ids, round_forward
 from .tree_drafter import DraftTree, candidate_ranking
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
+_COMPILED_SHAPES = weakref.WeakKeyDictionary()  # target -> the (compiled forward, rows, width) shapes run so far
 
 
 @dataclass(eq=False)
@@ -241,6 +243,8 @@ class _Loop:
         # A static cache: the rounds' forwards keep one shape per node bucket (compiled where Transformers would).
         self.static = is_static_cache(self.cache)
         self.forward, compiled = round_forward(model, model_kwargs, generation_config) if self.static else (model, False)
+        self.shapes = _COMPILED_SHAPES.setdefault(model, set()) if compiled else None  # (forward, rows, width) compiled
+        self.compiling = False  # the latest round's forward compiled a graph (its time is the compiler's)
         if compiled and not isinstance(self.capture, Eagle3OutputFeatures):
             # Hooks cannot tell threads apart inside a compiled forward: every forward of the call returns its
             # features as hidden states instead (on releases that return all of them, the prefill's too: the cost
@@ -426,6 +430,10 @@ class _Loop:
         depths = torch.stack([_padded(t.depths.to(device), width) if t is not None else blank for t in placed])
         mask = static_tree_mask(self.valid, [t.ancestors if t is not None else None for t in placed], width,
                                 pool.capacity, self.dtype)
+        if self.shapes is not None:
+            shape = (id(self.forward), tokens.shape[0], width)
+            self.compiling = shape not in self.shapes
+            self.shapes.add(shape)
         outputs = self.capture.forward(self.forward, input_ids=tokens, position_ids=self.positions[:, None] + depths,
                                        attention_mask=mask, use_cache=True, **{self.cache_key: self.cache})
         pool.wrote(width)
@@ -547,6 +555,8 @@ class _Loop:
             return
         seconds = watch.seconds(self.round_from if self.round_from is not None else one.started, one.ended)
         self.round_from = one.ended
+        if self.compiling:  # a round that compiled its forward's graph is not a measure of the round's cost
+            return
         drafts = one.plan.drafts
         self.budget.observe(RoundOutcome(
             one.plan, depths, [len(path) - 1 for path in kept], one.feed, one.trees[0].tokens.shape[0], seconds,

@@ -286,3 +286,24 @@ def test_compiled_rounds_refuse_a_layers_path_before_work(monkeypatch):
     finally:
         handle.remove()
     assert not calls
+
+
+def test_a_round_that_compiles_is_not_timed(monkeypatch):
+    """The first round of each (rows, width) compiles its graph: its seconds are the compiler's, so the budget of
+    tree ``"auto"`` does not learn them as the round's cost; every later round is observed."""
+    from hf_eagle3.core.budget import TreeBudget
+
+    torch._dynamo.reset()
+    target = tiny_target("llama", seed=11)
+    target.generation_config.eos_token_id = None
+    draft = tiny_draft(target)
+    observed, widths = [], []
+    observe = TreeBudget.observe
+    monkeypatch.setattr(TreeBudget, "observe", lambda self, outcome: (observed.append(outcome.nodes),
+                                                                      observe(self, outcome)))
+    bucket = decoding_loop.node_bucket
+    monkeypatch.setattr(decoding_loop, "node_bucket", lambda nodes: widths.append(bucket(nodes)) or widths[-1])
+    target.generate(random_prompt(6, seed=2), assistant_model=draft, do_sample=False, max_new_tokens=40,
+                    compile_config=compiled(), **STATIC, **TREES[1])
+    rounds = widths[1:]  # the first is the call's capacity
+    assert len(observed) == len(rounds) - len(set(rounds)) > 0, (observed, rounds)
