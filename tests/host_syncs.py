@@ -2,7 +2,9 @@
 
 On CUDA, reading a tensor's value on the host (``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``), an output whose
 size depends on values (``nonzero``, boolean indexing, ``masked_select``, ``unique``) and a copy to the CPU wait for
-every queued kernel. :class:`HostSyncCounter` patches those entry points on ``torch.Tensor`` and ``torch`` for the
+every queued kernel; so does the other direction, a tensor built from host values (``torch.tensor(list)``,
+``torch.as_tensor``) and copied from pageable memory, which is counted wherever hf-eagle3 builds one outside
+``hf_eagle3.core.transfers.to_device`` (its copy from pinned memory does not block). :class:`HostSyncCounter` patches those entry points on ``torch.Tensor`` and ``torch`` for the
 duration of a ``with`` block and attributes each call to the first caller outside torch: hf-eagle3 (``"ours"``),
 Transformers, or the code under test. Rounds are the target's forwards after its first (the prompt's) per
 ``generate`` call, counted with a forward hook.
@@ -24,6 +26,8 @@ _TRANSFORMERS = os.sep + "transformers" + os.sep
 TENSOR_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy",
                   "masked_select", "unique")
 TORCH_FUNCTIONS = ("nonzero", "masked_select", "unique", "equal", "argwhere")
+HOST_DATA = ("tensor", "as_tensor")  # built from host values: a copy to the device (counted for hf-eagle3's calls)
+NON_BLOCKING = "transfers.py:to_device"  # hf-eagle3's copy from pinned memory, which does not block
 
 
 def _is_bool_index(index) -> bool:
@@ -66,12 +70,19 @@ class HostSyncCounter:
             frame = frame.f_back
         return "other", "?"
 
-    def _wrap(self, owner, name, original, bool_index_only=False):
+    def _wrap(self, owner, name, original, bool_index_only=False, host_data_only=False):
         counter = self
 
         def wrapper(*args, **kwargs):
-            if counter._depth == 0 and (not bool_index_only or _is_bool_index(args[1])):
+            if counter._depth == 0 and (not bool_index_only or _is_bool_index(args[1])) and (
+                    not host_data_only or not isinstance(args[0], torch.Tensor)):
                 who, where = counter.caller()
+                if host_data_only and (who != "ours" or where == NON_BLOCKING):
+                    counter._depth += 1
+                    try:
+                        return original(*args, **kwargs)
+                    finally:
+                        counter._depth -= 1
                 counter.counts[(who, name)] += 1
                 counter.places[(who, where, name)] += 1
                 if counter._in_draft:
@@ -103,6 +114,8 @@ class HostSyncCounter:
             self._wrap(torch.Tensor, name, getattr(torch.Tensor, name))
         for name in TORCH_FUNCTIONS:
             self._wrap(torch, name, getattr(torch, name))
+        for name in HOST_DATA:
+            self._wrap(torch, name, getattr(torch, name), host_data_only=True)
         self._wrap(torch.Tensor, "__getitem__", torch.Tensor.__getitem__, bool_index_only=True)
         self._wrap(torch.Tensor, "__setitem__", torch.Tensor.__setitem__, bool_index_only=True)
         if self.target is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .draft_cache import Eagle3RowCache, static_capacity
+from .transfers import to_device
 from .draft_steps import batch_tree_level, standard_strides
 from .logits_process import Eagle3D2TLogitsProcessor
 from .tree_drafter import grow_candidates, select_trees
@@ -100,7 +101,7 @@ class Eagle3BatchTreeDrafter:
                 counts[b] += c
             offset += block.shape[1]
         width = max(max(counts), 1)
-        index = torch.tensor([i + [0] * (width - len(i)) for i in index], device=self.device)
+        index = to_device([i + [0] * (width - len(i)) for i in index], self.device)
         return take_positions(features, index), take_positions(tokens, index), counts
 
     def feed(self) -> None:
@@ -117,7 +118,7 @@ class Eagle3BatchTreeDrafter:
         self.cache.place_causal(columns, start + width)
         out = self.draft(input_ids=tokens, target_features=features, position_ids=columns, cache=self.cache,
                          logits_to_keep=-1)
-        counts_device = torch.tensor(counts, device=self.device)
+        counts_device = to_device(counts, self.device)
         last = (counts_device - 1).clamp(min=0)
         hidden = take_positions(out.hidden_states, last[:, None])
         self._hidden, self._logits = hidden, self.draft.compute_logits(hidden)[:, 0]
@@ -176,7 +177,7 @@ class Eagle3BatchTreeDrafter:
         Args:
             keep (`list[int]`): row indices.
         """
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        index = to_device(keep, self.device)
         self.cache.keep_rows(index)
         self.fed, self._fed = [self.fed[i] for i in keep], self._fed[index]
         self._pending = [(f[index], t[index], [c[i] for i in keep]) for f, t, c in self._pending]

@@ -46,6 +46,7 @@ from .target_cache import (
     decoding_cache,
     gather_cache,
     gather_entries,
+    in_order,
     is_static_cache,
     keep_rows,
     node_bucket,
@@ -57,6 +58,7 @@ from .target_cache import (
 )
 from .transformers_compat import eos_token_ids, round_forward
 from .tree_drafter import DraftTree, candidate_ranking
+from .transfers import to_device
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
 _COMPILED_SHAPES = weakref.WeakKeyDictionary()  # target -> the (compiled forward, rows, width) shapes run so far
@@ -351,7 +353,7 @@ class _Loop:
         feed = round(sum(drafter.num_pending(b) for b in range(len(self.rows))) / len(self.rows))
         one = _Round(None, None, feed, started=self._mark())
         one.plan = plan = self.budget.plan(batch, feed, room=max(batch.remaining) - 1)
-        roots = torch.tensor([row.ids[-1] for row in self.rows], dtype=torch.long, device=drafter.device)
+        roots = to_device([row.ids[-1] for row in self.rows], drafter.device)
         if not plan.drafts:  # a plain step for the batch; the feed waits
             one.trees = [DraftTree.root_only(roots[b : b + 1]) for b in range(roots.shape[0])]
             one.drafted_at = one.started
@@ -439,7 +441,7 @@ class _Loop:
         pool.wrote(width)
         logits, features = outputs.logits[:, :nodes], self._features()
         if len(self.rows) < len(placed):  # the unfinished rows, in their order
-            index = torch.tensor([row.index for row in self.rows], device=device)
+            index = to_device([row.index for row in self.rows], device)
             logits, features = logits.index_select(0, index), features.index_select(0, index.to(features.device))
         return logits.to(dtype=torch.float32), features, start
 
@@ -479,8 +481,8 @@ class _Loop:
             self.streamer.put(torch.tensor([following[0]]))
         # The accepted paths' features wait for the draft's next feed (one block for the batch, right-padded).
         width = max(len(p) for p in kept)
-        index = torch.tensor([p + [0] * (width - len(p)) for p in kept], device=features.device)
-        tokens = torch.tensor([t + [0] * (width - len(t)) for t in following], device=features.device)
+        index = to_device([p + [0] * (width - len(p)) for p in kept], features.device)
+        tokens = to_device([t + [0] * (width - len(t)) for t in following], features.device)
         self.drafter.add(take_positions(features, index), tokens, [len(p) for p in kept])
         return kept, depths
 
@@ -498,12 +500,9 @@ class _Loop:
                 self.valid = torch.cat([self.valid, self.valid.new_ones(1, width)], dim=1)
             self.positions = self.positions + width
             return
-        if not (self.cache.get_seq_length() == start + width and all(p == list(range(width)) for p in kept)):
-            index = torch.tensor([p + [0] * (width - len(p)) for p in kept], dtype=torch.long)
-            gather_entries(self.cache, index.to(self.device), start)
-        block = torch.tensor([[True] * len(p) + [False] * (width - len(p)) for p in kept])
-        self.valid = torch.cat([self.valid, block.to(self.device)], dim=1)
-        self.positions = self.positions + block.sum(-1).to(self.device)
+        if not (self.cache.get_seq_length() == start + width and in_order(kept)):
+            gather_entries(self.cache, to_device([p + [0] * (width - len(p)) for p in kept], self.device), start)
+        self._extend(kept, width)
 
     def _commit_static(self, one: _Round, kept: list, start: int, width: int) -> None:
         """:meth:`commit` on a static cache: every row of the call keeps its accepted path (a finished row keeps
@@ -513,14 +512,18 @@ class _Loop:
         paths = [[] for _ in range(rows)]
         for row, path in zip(self.rows, kept):
             paths[row.index] = path
-        if all(path == list(range(len(path))) for path in paths):
+        if in_order(paths):
             self.pool.set_length(start + width)
         else:
-            index = torch.tensor([p + list(range(len(p), width)) for p in paths], dtype=torch.long)
-            self.pool.gather_rows(index.to(self.device), start)
-        block = torch.tensor([[True] * len(p) + [False] * (width - len(p)) for p in paths])
-        self.valid = torch.cat([self.valid, block.to(self.device)], dim=1)
-        self.positions = self.positions + block.sum(-1).to(self.device)
+            self.pool.gather_rows(to_device([p + list(range(len(p), width)) for p in paths], self.device), start)
+        self._extend(paths, width)
+
+    def _extend(self, paths: list, width: int) -> None:
+        """Each cache row's validity mask grows by the round's ``width`` entries (its path's real, the rest holes),
+        and its next position moves past its path."""
+        block = to_device([[True] * len(p) + [False] * (width - len(p)) for p in paths], self.device, torch.bool)
+        self.valid = torch.cat([self.valid, block], dim=1)
+        self.positions = self.positions + to_device([len(p) for p in paths], self.device, self.positions.dtype)
 
     def retire(self) -> None:
         """Rows that are done (EOS, ``max_length`` or a stopping criterion) leave the batch and its cache (the last
@@ -540,7 +543,7 @@ class _Loop:
             kept = [i for i, r in enumerate(self.rows) if r in remaining]
             self.drafter.keep_rows(kept)
         if remaining and len(remaining) < len(self.rows) and not self.static:  # a static cache keeps its rows
-            keep = torch.tensor(kept, dtype=torch.long, device=self.device)
+            keep = to_device(kept, self.device)
             keep_rows(self.cache, keep)
             self.valid, self.positions = self.valid[keep], self.positions[keep]
         self.rows = remaining

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, StaticLayer
 
+from .transfers import to_device
 from .transformers_compat import DynamicLayer, is_plain_dynamic_layer
 from .transformers_compat import is_sliding_layer as sliding_layer
 
@@ -358,6 +359,17 @@ def prefill(model, input_ids: torch.LongTensor, model_kwargs: dict, cache, capac
     return logits
 
 
+def in_order(paths: list) -> bool:
+    """
+    Whether every path (host lists of a round's entry indices) keeps a prefix of the round's entries where they are,
+    so that committing it moves nothing (a chain's accepted prefix, a plain step).
+
+    Args:
+        paths (`list[list[int]]`): per row, the kept indices in ``[0, num_new)``, in order.
+    """
+    return all(list(path) == list(range(len(path))) for path in paths)
+
+
 def gather_cache(cache, keep, num_new: int) -> None:
     """Keep, of the last ``num_new`` entries of every layer of ``cache``, only those at indices ``keep`` (in order).
 
@@ -373,19 +385,18 @@ def gather_cache(cache, keep, num_new: int) -> None:
     """
     check_tree_cache(cache)
     count = len(keep) if isinstance(keep, (list, tuple)) else keep.numel()
-    in_order = isinstance(keep, (list, tuple)) and list(keep) == list(range(count))
-    if in_order and count == num_new:  # every entry kept where it is: only sliding layers go back to their window
+    ordered = isinstance(keep, (list, tuple)) and in_order([keep])
+    if ordered and count == num_new:  # every entry kept where it is: only sliding layers go back to their window
         for layer in cache.layers:
             if sliding_layer(layer) and layer.is_initialized and layer.keys is not None and layer.keys.numel():
                 layer.crop(0)
         return
     pool = pooled(cache)
     index = None  # the kept indices on the cache's device, only where entries move
-    if not in_order:
+    if not ordered:
         layer = next((layer for layer in cache.layers if layer.is_initialized and layer.keys is not None), None)
         device = layer.keys.device if layer is not None else None
-        index = keep.to(device) if isinstance(keep, torch.Tensor) else torch.tensor(keep, dtype=torch.long,
-                                                                                     device=device)
+        index = keep.to(device) if isinstance(keep, torch.Tensor) else to_device(keep, device)
     for layer in cache.layers:
         if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
             continue  # e.g. layers that share another layer's KV

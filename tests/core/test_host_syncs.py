@@ -2,8 +2,9 @@
 operations that would block the host on a GPU), per path: none inside a draft forward on any path, and at most one
 read-back per round on every path of hf-eagle3's own (trees, batches, greedy and sampled).
 
-Counts are marginal: the difference between a call of 32 and one of 16 new tokens, divided by the difference in
-rounds, so that what a call does once (prefill, settings, the cost model) cancels. The draft is random, so nearly every
+Both directions count: reads to the host, and copies to the device from pageable host memory. Counts are marginal:
+the difference between a call of 32 and one of 16 new tokens, divided by the difference in rounds, so that what a
+call does once (prefill, settings, the cost model) cancels. The draft is random, so nearly every
 round accepts nothing."""
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import torch
 from conftest import tiny_draft, tiny_target
 from host_syncs import HostSyncCounter
 
+from hf_eagle3.core import transformers_compat as compat
+
 PATHS = {
     "chain k=5": dict(num_assistant_tokens=5, num_assistant_tokens_schedule="constant"),
     "chain auto": dict(num_assistant_tokens=5, num_assistant_tokens_schedule="auto"),
     "tree 4x4x8": dict(tree_top_k=4, tree_depth=4, tree_total_tokens=8),
     "tree auto": dict(tree_top_k=4, tree_depth=4, tree_total_tokens="auto"),
+    "tree 4x4x8, static cache": dict(tree_top_k=4, tree_depth=4, tree_total_tokens=8, cache_implementation="static"),
 }
 
 # hf-eagle3's marginal host syncs per round: (path, batch size, sampled) -> ceiling. Chains at batch 1 run in
@@ -30,6 +34,8 @@ CEILINGS = {
 CEILINGS.update({("chain auto", 2, False): 1.0, ("chain auto", 2, True): 1.0, ("tree auto", 2, True): 1.0})
 CEILINGS.update({("tree auto", size, False): 1.0 for size in (1, 2, 4, 8)})
 CEILINGS.update({("tree auto", 1, True): 1.0})
+if compat.ASSISTS_ON_STATIC_CACHE:
+    CEILINGS.update({("tree 4x4x8, static cache", size, sample): 1.0 for size in (1, 4) for sample in (False, True)})
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,7 @@ def test_syncs_per_round_stay_within_the_ceiling(pair, path, size, sample):
     assert per_round <= CEILINGS[(path, size, sample)] + 1e-9, places
 
 
-@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("path", sorted(p for p in PATHS if "static" not in p or compat.ASSISTS_ON_STATIC_CACHE))
 @pytest.mark.parametrize("size,sample", [(1, False), (1, True), (2, False), (2, True)])
 def test_no_sync_inside_a_draft_forward(pair, path, size, sample):
     counter = count(pair, path, size, sample, 16)
@@ -99,3 +105,15 @@ def test_the_counter_sees_a_sync_added_to_a_draft_step(pair, monkeypatch):
     per_round, counter = marginal(pair, "tree 4x4x8", 1, False, callers=("ours", "other"))
     assert sum(counter.in_draft.values()) >= counter.rounds
     assert per_round > CEILINGS[("tree 4x4x8", 1, False)] + 1
+
+
+@pytest.mark.parametrize("path,size", [("tree 4x4x8", 1), ("chain k=5", 4)])
+def test_the_counter_sees_copies_to_the_device(pair, monkeypatch, path, size):
+    """Negative control of the other direction: counted as pageable copies, the index tensors a round builds from
+    host values (roots, accepted paths, the feed) would exceed the ceiling."""
+    import host_syncs
+
+    monkeypatch.setattr(host_syncs, "NON_BLOCKING", "nowhere")
+    per_round, counter = marginal(pair, path, size, False)
+    copies = sum(n for (who, _, op), n in counter.places.items() if who == "ours" and op in host_syncs.HOST_DATA)
+    assert copies >= counter.rounds and per_round > CEILINGS[(path, size, False)], dict(counter.places)
