@@ -51,10 +51,9 @@ def calibrate_command(args) -> int:
         return 0
     batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
     contexts = _ints(args.contexts, "--contexts")
-    from hf_eagle3.loading import load_draft, load_target
+    from hf_eagle3.loading import load_pair
 
-    target, _ = load_target(args.target, dtype=args.dtype, device=args.device, tokenizer="none")
-    draft, name, _ = load_draft(args.draft, target)
+    target, _, draft, name, _ = load_pair(args.target, args.draft, args.dtype, args.device, tokenizer="none")
     draft.bind_target(target)
     print(f"Timing {name} with its target at contexts {contexts} for batch sizes {batch_sizes} ...", file=sys.stderr)
     calibrate(target, draft, batch_sizes=batch_sizes, contexts=contexts, save=False,

@@ -154,7 +154,7 @@ def measure_acceptance(target, draft, prompts, layer_ids: list[int], max_new_tok
 
 def check_draft(draft, target, tokenizer=None, draft_path: str | os.PathLike | None = None,
                 num_prompts: int = DEFAULT_NUM_PROMPTS, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                k: int = DEFAULT_DRAFT_LENGTH, measure: bool = True) -> dict:
+                k: int = DEFAULT_DRAFT_LENGTH, measure: bool = True, progress=None) -> dict:
     """Describe a draft, check that it fits a target, and measure which layer-id convention it was trained with.
 
     Args:
@@ -167,6 +167,7 @@ def check_draft(draft, target, tokenizer=None, draft_path: str | os.PathLike | N
         max_new_tokens (`int`): new tokens per prompt.
         k (`int`): tokens drafted per round while measuring.
         measure (`bool`): measure acceptance (``False``: describe and check only).
+        progress (`Callable[[str], None]`, *optional*): called with a line before each measurement.
 
     Returns:
         A JSON-friendly dict: ``layout``, ``variant`` (norms, RoPE, sliding window, vocabulary mapping, embedding and
@@ -223,8 +224,18 @@ def check_draft(draft, target, tokenizer=None, draft_path: str | os.PathLike | N
         return report
     prompts = _prompt_ids(tokenizer, num_prompts, int(c.vocab_size))
     report["measured_on"] = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "k": k}
-    for name, cand in (("as read", ids), ("shifted", layers.get("shifted"))):
+    _measure_candidates(report, target, draft, prompts, max_new_tokens, k, progress)
+    return report
+
+
+def _measure_candidates(report: dict, target, draft, prompts: list, max_new_tokens: int, k: int, progress) -> None:
+    """Measure the layer ids as read and shifted, and fill the report's ``candidates``, ``best`` and ``advice``."""
+    layers = report["layers"]
+    for name, cand in (("as read", layers["as_read"]), ("shifted", layers.get("shifted"))):
         if cand is not None:
+            if progress is not None:
+                progress(f"measuring acceptance with the layer ids {name} ({list(cand)}) on {len(prompts)} prompts, "
+                         f"{max_new_tokens} new tokens each ...")
             report["candidates"].append(dict(name=name, **measure_acceptance(target, draft, prompts, cand,
                                                                               max_new_tokens, k)))
     best = report["candidates"][0]
@@ -236,8 +247,7 @@ def check_draft(draft, target, tokenizer=None, draft_path: str | os.PathLike | N
         report["advice"] = f"the layer ids as read ({best['layer_ids']}) are the better ones: nothing to change."
     else:
         report["advice"] = (f"the shifted layer ids {best['layer_ids']} accept more: "
-                            + _how_to_set(layout, best["layer_ids"]) + ".")
-    return report
+                            + _how_to_set(report["layout"], best["layer_ids"]) + ".")
 
 
 def format_report(report: dict) -> str:
@@ -284,11 +294,15 @@ def _run(args: argparse.Namespace) -> int:
     """Run ``hf-eagle3 check``: 0 when the pair fits, 1 when it does not (or cannot be loaded)."""
     from ..core.modeling_eagle3 import Eagle3DraftModel
 
+    def say(line: str) -> None:
+        print(f"hf-eagle3 check: {line}", file=sys.stderr, flush=True)
+
     try:
         draft = Eagle3DraftModel.from_pretrained(args.draft)  # a draft that cannot be read: refused before the target
+        say(f"loading the target {args.target or 'SmolLM2-135M-Instruct'} ...")
         target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device, tokenizer="optional")
         report = check_draft(draft, target, tokenizer, draft_path=args.draft, num_prompts=args.num_prompts,
-                             max_new_tokens=args.max_new_tokens, k=args.k, measure=not args.no_measure)
+                             max_new_tokens=args.max_new_tokens, k=args.k, measure=not args.no_measure, progress=say)
     except (ValueError, OSError) as err:
         print(f"hf-eagle3 check: error: {err}", file=sys.stderr)
         return 1

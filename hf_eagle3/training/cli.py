@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -102,6 +103,7 @@ def cmd_prepare(args) -> None:
     device = None if device_map is not None else args.device or default_device()
     dtype, line = resolve_dtype(args.dtype, device or default_device())
     print(line)
+    print("loading the target ...", file=sys.stderr, flush=True)
     model, tok = load_target(args.target, dtype, device=device, device_map=device_map)
     files = [args.prompts] if args.prompts is not None else []
     if self_file is not None:
@@ -139,45 +141,20 @@ def cmd_train(args) -> None:
         args: the parsed ``train`` options.
     """
     import torch
+    from accelerate import PartialState
 
-    from .features import cache_features
-    from .prepare import iter_records
-    from .trainer import TrainConfig, draft_config_for_target, end_distributed, evaluate, init_draft, train
-    from .vocab import build_vocab_mapping, count_tokens, coverage
+    from .trainer import end_distributed, train
 
-    if not args.target_temperature > 0:  # before any record is read or feature computed
-        raise SystemExit(f"--target-temperature {args.target_temperature}: give a temperature > 0 (1 = the target's "
-                         "own distribution, the reference recipe; e.g. 0.5 sharpens it for greedy decoding).")
-    select_by = args.select_by or ("holdout" if args.holdout_shards else "last")
-    if args.accumulate < 1:  # before any record is read or feature computed
-        raise SystemExit(f"--accumulate {args.accumulate}: give the batches per optimiser step, >= 1.")
-    if select_by == "holdout" and args.holdout_shards < 1:
-        raise SystemExit("--select-by holdout scores checkpoints on held-out shards: give --holdout-shards >= 1, or "
-                         "--select-by last.")
+    select_by = _check_train_options(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    all_records = list(iter_records(args.data))  # the vocabulary counts them all; --max-records cuts the feature pass
-    records = all_records[: args.max_records] if args.max_records else all_records
-    print(f"{len(records)} records from {args.data}" + (f" (of {len(all_records)}; the draft vocabulary counts them all)"
-                                                       if len(records) < len(all_records) else ""))
+    all_records, records = _read_records(args)
     features_dir = Path(args.features_dir or out / "features")
     # Under `accelerate launch` / torchrun: the main process caches the features and builds the vocabulary, the
     # others wait and read them; training is data parallel; only the main process saves.
-    from accelerate import PartialState
-
     state = PartialState(cpu=not torch.cuda.is_available())
     if not args.skip_features and state.is_main_process:
-        device = args.device or default_device()
-        dtype, line = resolve_dtype(args.feature_dtype, device, label="feature dtype")
-        print(line)
-        target, _ = load_target(args.target, dtype, device=device, tokenizer="none")
-        from ..core.configuration_eagle3 import default_feature_layer_ids
-        from ..core.feature_capture import find_decoder_layers
-
-        layer_ids = default_feature_layer_ids(len(find_decoder_layers(target)))
-        cache_features(target, records, features_dir, layer_ids, per_shard=args.per_shard, batch_size=args.feature_batch,
-                       max_prompt_tokens=args.max_prompt_context, complete_shards_only=args.complete_shards_only)
-        del target
+        _cache_features(args, records, features_dir)
     state.wait_for_everyone()
     if not (features_dir / "target_head.pt").exists():
         raise SystemExit(f"{features_dir} holds no features (no target_head.pt): drop --skip-features, or point "
@@ -185,37 +162,110 @@ def cmd_train(args) -> None:
     head = torch.load(features_dir / "target_head.pt", weights_only=False)
     torch.manual_seed(args.seed)  # before the draft is built: its new layers are drawn from torch's generator
     if args.init_draft:  # continue from a trained draft (its vocabulary mapping and layer ids win)
-        from ..core.modeling_eagle3 import Eagle3DraftModel
-        from .trainer import check_draft_matches_features
-
-        draft = Eagle3DraftModel.from_pretrained(args.init_draft, dtype=torch.float32)
-        check_draft_matches_features(draft, features_dir, head)  # before anything is written
-        if args.rebuild_vocab:
-            from .vocab import remap_draft_vocab
-
-            counts = count_tokens(r["response_ids"] for r in all_records)
-            for extra in args.vocab_data or []:
-                counts.update(count_tokens(r["response_ids"] for r in iter_records(extra)))
-            before = coverage(counts, draft.d2t.cpu())
-            d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
-            rows = remap_draft_vocab(draft, d2t, t2d, head["lm_head"])
-            print(f"draft vocab rebuilt from {sum(counts.values())} response tokens: covers {before:.4f} -> "
-                  f"{coverage(counts, d2t):.4f} of them; {rows['kept']} rows kept, {rows['new']} from the target's"
-                  + (" (through the map fitted on the kept rows)" if rows["mapped"] else ""))
+        draft = _continued_draft(args, features_dir, head, all_records)
     else:
-        vocab_file = out / "vocab.pt"
-        if not vocab_file.exists() and state.is_main_process:
-            counts = count_tokens(r["response_ids"] for r in all_records)
-            d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
-            torch.save((d2t, t2d), vocab_file)
-            print(f"draft vocab {args.draft_vocab_size}: covers {coverage(counts, d2t):.4f} of response tokens")
-        state.wait_for_everyone()
-        d2t, t2d = torch.load(vocab_file)
-        meta = features_dir / "meta.json"
-        layer_ids = json.loads(meta.read_text()).get("layer_ids") if meta.exists() else None
-        overrides = {"feature_layer_ids": list(layer_ids)} if layer_ids else {}  # the layers the features come from
-        draft = init_draft(draft_config_for_target(head["config"], args.draft_vocab_size, **overrides), head, d2t, t2d)
-    cfg = TrainConfig(
+        draft = _new_draft(args, state, out, features_dir, head, all_records)
+    if state.is_main_process:
+        print("training ...", file=sys.stderr, flush=True)
+    t0 = time.time()
+    draft = train(draft, features_dir, out / "run", _train_config(args, select_by))
+    end_distributed()
+    minutes = (time.time() - t0) / 60
+    if not state.is_main_process:  # the main process holds the same weights and saves them
+        return
+    _save_trained(args, draft, out, features_dir, len(records), minutes)
+
+
+def _check_train_options(args) -> str:
+    """Refuse options that cannot work, before any record is read or feature computed: the ``--select-by`` that
+    applies."""
+    if not args.target_temperature > 0:
+        raise SystemExit(f"--target-temperature {args.target_temperature}: give a temperature > 0 (1 = the target's "
+                         "own distribution, the reference recipe; e.g. 0.5 sharpens it for greedy decoding).")
+    select_by = args.select_by or ("holdout" if args.holdout_shards else "last")
+    if args.accumulate < 1:
+        raise SystemExit(f"--accumulate {args.accumulate}: give the batches per optimiser step, >= 1.")
+    if select_by == "holdout" and args.holdout_shards < 1:
+        raise SystemExit("--select-by holdout scores checkpoints on held-out shards: give --holdout-shards >= 1, or "
+                         "--select-by last.")
+    return select_by
+
+
+def _read_records(args) -> tuple[list, list]:
+    """Every record of ``--data`` (the vocabulary counts them all) and those the feature pass takes
+    (``--max-records``)."""
+    from .prepare import iter_records
+
+    all_records = list(iter_records(args.data))
+    records = all_records[: args.max_records] if args.max_records else all_records
+    print(f"{len(records)} records from {args.data}" + (f" (of {len(all_records)}; the draft vocabulary counts them all)"
+                                                       if len(records) < len(all_records) else ""))
+    return all_records, records
+
+
+def _cache_features(args, records: list, features_dir: Path) -> None:
+    """The feature pass: load the target and cache its features of ``records`` in ``features_dir`` (resumable)."""
+    from ..core.configuration_eagle3 import default_feature_layer_ids
+    from ..core.feature_capture import find_decoder_layers
+    from .features import cache_features
+
+    device = args.device or default_device()
+    dtype, line = resolve_dtype(args.feature_dtype, device, label="feature dtype")
+    print(line)
+    print("loading the target for the feature pass ...", file=sys.stderr, flush=True)
+    target, _ = load_target(args.target, dtype, device=device, tokenizer="none")
+    layer_ids = default_feature_layer_ids(len(find_decoder_layers(target)))
+    cache_features(target, records, features_dir, layer_ids, per_shard=args.per_shard, batch_size=args.feature_batch,
+                   max_prompt_tokens=args.max_prompt_context, complete_shards_only=args.complete_shards_only)
+
+
+def _continued_draft(args, features_dir: Path, head: dict, all_records: list):
+    """``--init-draft``: the trained draft to continue, checked against the features; with ``--rebuild-vocab`` its
+    vocabulary rebuilt from the responses of ``--data`` and ``--vocab-data``."""
+    import torch
+
+    from ..core.modeling_eagle3 import Eagle3DraftModel
+    from .prepare import iter_records
+    from .trainer import check_draft_matches_features
+    from .vocab import count_tokens, rebuild_draft_vocab
+
+    draft = Eagle3DraftModel.from_pretrained(args.init_draft, dtype=torch.float32)
+    check_draft_matches_features(draft, features_dir, head)  # before anything is written
+    if args.rebuild_vocab:
+        counts = count_tokens(r["response_ids"] for r in all_records)
+        for extra in args.vocab_data or []:
+            counts.update(count_tokens(r["response_ids"] for r in iter_records(extra)))
+        print(rebuild_draft_vocab(draft, counts, args.draft_vocab_size, head["config"]["vocab_size"], head["lm_head"]))
+    return draft
+
+
+def _new_draft(args, state, out: Path, features_dir: Path, head: dict, all_records: list):
+    """A new draft for the features' target and layers, its vocabulary the most frequent response tokens (built by
+    the main process into ``OUT/vocab.pt`` once, read by every process)."""
+    import torch
+
+    from .trainer import draft_config_for_target, init_draft
+    from .vocab import build_vocab_mapping, count_tokens, coverage
+
+    vocab_file = out / "vocab.pt"
+    if not vocab_file.exists() and state.is_main_process:
+        counts = count_tokens(r["response_ids"] for r in all_records)
+        d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
+        torch.save((d2t, t2d), vocab_file)
+        print(f"draft vocab {args.draft_vocab_size}: covers {coverage(counts, d2t):.4f} of response tokens")
+    state.wait_for_everyone()
+    d2t, t2d = torch.load(vocab_file)
+    meta = features_dir / "meta.json"
+    layer_ids = json.loads(meta.read_text()).get("layer_ids") if meta.exists() else None
+    overrides = {"feature_layer_ids": list(layer_ids)} if layer_ids else {}  # the layers the features come from
+    return init_draft(draft_config_for_target(head["config"], args.draft_vocab_size, **overrides), head, d2t, t2d)
+
+
+def _train_config(args, select_by: str):
+    """The :class:`~hf_eagle3.training.trainer.TrainConfig` of the ``train`` options."""
+    from .trainer import TrainConfig
+
+    return TrainConfig(
         ttt_length=args.ttt_length, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
         warmup_steps=args.warmup_steps, max_prompt_context=args.max_prompt_context,
         prompt_loss_weight=args.prompt_loss_weight, target_temperature=args.target_temperature,
@@ -223,21 +273,22 @@ def cmd_train(args) -> None:
         max_minutes=args.max_minutes, holdout_shards=args.holdout_shards, seed=args.seed,
         select_by=select_by, accumulate=args.accumulate, fsdp=args.fsdp,
     )
-    t0 = time.time()
-    draft = train(draft, features_dir, out / "run", cfg)
-    end_distributed()
-    minutes = (time.time() - t0) / 60
-    if not state.is_main_process:  # the main process holds the same weights and saves them
-        return
+
+
+def _save_trained(args, draft, out: Path, features_dir: Path, num_records: int, minutes: float) -> None:
+    """Score the trained draft on the held-out shards, save it with its training summary, and export it as asked."""
     metrics = {}
     if args.holdout_shards:
+        from .trainer import evaluate
+
+        print("scoring the draft on the held-out shards ...", file=sys.stderr, flush=True)
         metrics = evaluate(draft, features_dir, ttt_length=args.ttt_length, holdout_shards=args.holdout_shards,
                            max_prompt_context=args.max_prompt_context)
     save_dir = Path(args.save_dir or out / "draft")
     dtype = parse_dtype(args.save_dtype)
     draft.to(dtype).save_pretrained(save_dir)
     (save_dir / "training_summary.json").write_text(json.dumps({
-        "records": len(records), "train_minutes_this_run": minutes, "holdout": metrics,
+        "records": num_records, "train_minutes_this_run": minutes, "holdout": metrics,
         "selection": (json.loads((out / "run" / "selection.json").read_text())
                       if (out / "run" / "selection.json").exists() else {"selected": "last"}),
         "config": vars(args),
