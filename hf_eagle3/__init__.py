@@ -70,6 +70,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
+    """The module's names, the public ones included before they are bound."""
     return sorted(set(globals()) | set(_EXPORTS))
 
 

@@ -344,6 +344,7 @@ class _TrainingRun:
         return (s - self.cfg.warmup_steps) / max(1, self.total_steps - self.cfg.warmup_steps)
 
     def _layout(self) -> dict:
+        """What a checkpoint must match to be resumed: processes, accumulation and sharding."""
         return {"processes": self.world, "accumulate": self.cfg.accumulate, "fsdp": self.parallel.sharded}
 
     def resume(self) -> None:
@@ -381,6 +382,7 @@ class _TrainingRun:
                           if self.cfg.select_by == "holdout" and self.main else None)
 
     def _write_log(self, record: dict) -> None:
+        """Append ``record`` to ``log.jsonl`` (the main process's open file)."""
         self.logf.write(json.dumps(record) + "\n")
         self.logf.flush()
 
