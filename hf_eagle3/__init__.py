@@ -5,42 +5,83 @@ Importing the package registers :class:`Eagle3Config` / :class:`Eagle3DraftModel
 whenever ``draft`` is an EAGLE-3 draft (with dynamic draft trees when ``tree_top_k`` / ``tree_depth`` /
 ``tree_total_tokens`` are given, see :mod:`hf_eagle3.core.decoding_loop`). The hook itself lives in
 :mod:`hf_eagle3.core.generate_hook`.
+
+One exception: in the ``hf-eagle3`` command's own process (the console script, or ``python -m hf_eagle3.cli``) the
+import defers all of this, so that ``--help`` and argument errors answer without loading torch and Transformers;
+:func:`hf_eagle3.cli.main` calls :func:`install` once the arguments are parsed, and the first use of a name below
+installs too.
 """
 
-from transformers import AutoConfig, AutoModel
+from __future__ import annotations
 
-from .core.batch_drafter import Eagle3BatchTreeDrafter
-from .core.candidate_generator import Eagle3CandidateGenerator
-from .core.configuration_eagle3 import Eagle3Config
-from .core.cost_model import calibrate, cost_table
-from .core.draft_cache import Eagle3KVCache, Eagle3RowCache
-from .core.feature_capture import Eagle3FeatureCapture, find_decoder_layers
-from .core.generate_hook import install_generate_hook, is_eagle3_draft
-from .core.logits_process import Eagle3D2TLogitsProcessor
-from .core.modeling_eagle3 import Eagle3DraftModel
-from .core.stats import Eagle3Stats
-from .core.tree_drafter import DraftTree
+import importlib
+import os
+import sys
 
 __version__ = "0.2.0"
 
-AutoConfig.register(Eagle3Config.model_type, Eagle3Config, exist_ok=True)
-AutoModel.register(Eagle3Config, Eagle3DraftModel, exist_ok=True)
-install_generate_hook()
+# The public names, by the module that defines them.
+_EXPORTS = {
+    "DraftTree": ".core.tree_drafter",
+    "Eagle3BatchTreeDrafter": ".core.batch_drafter",
+    "Eagle3CandidateGenerator": ".core.candidate_generator",
+    "Eagle3Config": ".core.configuration_eagle3",
+    "Eagle3D2TLogitsProcessor": ".core.logits_process",
+    "Eagle3DraftModel": ".core.modeling_eagle3",
+    "Eagle3FeatureCapture": ".core.feature_capture",
+    "Eagle3KVCache": ".core.draft_cache",
+    "Eagle3RowCache": ".core.draft_cache",
+    "Eagle3Stats": ".core.stats",
+    "calibrate": ".core.cost_model",
+    "cost_table": ".core.cost_model",
+    "find_decoder_layers": ".core.feature_capture",
+    "install_generate_hook": ".core.generate_hook",
+    "is_eagle3_draft": ".core.generate_hook",
+}
 
-__all__ = [
-    "DraftTree",
-    "Eagle3BatchTreeDrafter",
-    "Eagle3CandidateGenerator",
-    "Eagle3Config",
-    "Eagle3D2TLogitsProcessor",
-    "Eagle3DraftModel",
-    "Eagle3FeatureCapture",
-    "Eagle3KVCache",
-    "Eagle3RowCache",
-    "Eagle3Stats",
-    "calibrate",
-    "cost_table",
-    "find_decoder_layers",
-    "install_generate_hook",
-    "is_eagle3_draft",
-]
+__all__ = sorted(_EXPORTS)
+
+_installed = False
+
+
+def install() -> None:
+    """Register the draft with ``AutoConfig`` / ``AutoModel``, hook ``generate`` and bind the public names (once;
+    a plain ``import hf_eagle3`` has done it already, except in the ``hf-eagle3`` command's own process)."""
+    global _installed
+    if _installed:
+        return
+    for name, module in _EXPORTS.items():
+        globals()[name] = getattr(importlib.import_module(module, __name__), name)
+    from transformers import AutoConfig, AutoModel
+
+    config, model = globals()["Eagle3Config"], globals()["Eagle3DraftModel"]
+    AutoConfig.register(config.model_type, config, exist_ok=True)
+    AutoModel.register(config, model, exist_ok=True)
+    globals()["install_generate_hook"]()
+    _installed = True
+
+
+def __getattr__(name: str):
+    """The public names, in a process that has not installed yet (the ``hf-eagle3`` command's)."""
+    if name in _EXPORTS:
+        install()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names, the public ones included before they are bound."""
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+def _is_command_process() -> bool:
+    """Whether this process is the ``hf-eagle3`` command: its console script, or ``python -m hf_eagle3.cli`` (also
+    under ``torchrun`` / ``accelerate launch``, which start their workers that way)."""
+    if os.path.basename(sys.argv[0]).lower().removesuffix(".exe").removesuffix("-script.py") == "hf-eagle3":
+        return True
+    argv = list(getattr(sys, "orig_argv", []))
+    return any(a == "-m" and b == "hf_eagle3.cli" for a, b in zip(argv, argv[1:])) or "-mhf_eagle3.cli" in argv
+
+
+if not _is_command_process():
+    install()

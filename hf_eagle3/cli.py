@@ -2,17 +2,56 @@
 
 Modules that add subcommands expose ``register(subparsers)``, which adds parsers with ``set_defaults(func=...)``;
 ``func(args)`` returns an exit code (or ``None`` for 0). They are looked up in :data:`PLUGIN_MODULES` and skipped
-when not installed. Heavy modules (models, matplotlib) are imported only by the command that needs them.
+when not installed. Building the parser imports no heavy module (torch, Transformers, models, matplotlib): the
+parser modules are light, a command's ``func`` (see :func:`lazy_command`) imports its module only when it runs, and
+:func:`main` installs the package (:func:`hf_eagle3.install`) once the arguments are parsed, so ``--help`` answers at
+once.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import sys
+from pathlib import Path
 
-PLUGIN_MODULES = ("hf_eagle3.bench.calibrate", "hf_eagle3.training.cli", "hf_eagle3.checkpoints.export",
-                  "hf_eagle3.checkpoints.check")
+from hf_eagle3.bench.strategies import STRATEGIES, TREE_SHAPES
+
+PLUGIN_MODULES = ("hf_eagle3.bench.calibrate", "hf_eagle3.training.parsers", "hf_eagle3.checkpoints.parsers")
+CORE_DIR = Path(__file__).resolve().parent / "core"
+
+
+def lazy_command(module: str, function: str):
+    """A ``func`` for ``set_defaults`` that imports ``module`` only when the command runs, and calls its
+    ``function(args)`` (looked up then, so that what a test patches on the module is what runs).
+
+    Args:
+        module: dotted module name, e.g. ``"hf_eagle3.training.cli"``.
+        function: name of the command function in it.
+    """
+
+    def run(args):
+        return getattr(importlib.import_module(module), function)(args)
+
+    run.__name__ = run.__qualname__ = function
+    return run
+
+
+def core_constant(module: str, name: str):
+    """A literal constant of a core module, read from its source: the core imports torch and Transformers, which a
+    parser must not wait for.
+
+    Args:
+        module: the core module's name, e.g. ``"settings"``.
+        name: the constant, assigned a literal at the module's top level (e.g. ``"SCHEDULES"``).
+    """
+    tree = ast.parse((CORE_DIR / f"{module}.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"hf_eagle3/core/{module}.py assigns no literal {name}")
 
 
 def _run_demo(args) -> int:
@@ -97,10 +136,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-lookup-tokens", type=int, default=5, help="prompt_lookup_num_tokens (default 5)")
     p.add_argument("--tree-shapes", default=None,
                    help="tree strategies as TOPKxDEPTHxTOTAL, comma-separated; TOTAL may be 'auto' "
-                   "(default 4x4x8,4x5x16,8x6x32)")
+                   f"(default {','.join('x'.join(str(n) for n in shape) for shape in TREE_SHAPES)})")
     p.add_argument("--strategies", default=None,
-                   help="comma-separated strategy families (default: all registered: plain, prompt_lookup, "
-                        "eagle3_chain, eagle3_auto, eagle3_tree)")
+                   help=f"comma-separated strategy families (default: all registered: {', '.join(STRATEGIES)})")
     p.add_argument("--compile-draft", nargs="?", const="default", default=None, metavar="MODES",
                    help="also run every EAGLE-3 strategy with its drafting steps under torch.compile "
                         "(draft.generation_config.compile_config = CompileConfig(mode=MODE)), side by side with "
@@ -177,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     args.argv = argv
+    import hf_eagle3
+
+    hf_eagle3.install()
     return int(args.func(args) or 0)
 
 

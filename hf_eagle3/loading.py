@@ -172,6 +172,27 @@ def load_draft(draft: str | None, target) -> tuple[Eagle3DraftModel, str, bool]:
     return random_draft_for(target), "random (untrained) draft", True
 
 
+def load_pair(target: str | None, draft: str | None, dtype: torch.dtype | str | None = None,
+              device: str | None = None, tokenizer: str = "required"):
+    """Load a target (:func:`load_target`) and its draft (:func:`load_draft`), saying on stderr which is loading.
+
+    Args:
+        target: Hub id or local directory of the target, or ``None`` (SmolLM2-135M-Instruct).
+        draft: Hub id or local directory of the draft, or ``None`` (see :func:`load_draft`).
+        dtype: weight dtype (see :func:`parse_dtype`); default float32.
+        device: where both run; default CPU.
+        tokenizer: as for :func:`load_target`.
+
+    Returns:
+        ``(target_model, tokenizer, draft_model, draft_description, draft_is_random)``.
+    """
+    print("Loading the target ...", file=sys.stderr, flush=True)
+    model, tok = load_target(target, dtype=dtype, device=device, tokenizer=tokenizer)
+    print("Loading the draft ...", file=sys.stderr, flush=True)
+    draft_model, name, is_random = load_draft(draft, model)
+    return model, tok, draft_model, name, is_random
+
+
 def load_prompts(dataset: str | os.PathLike | None = None, num_prompts: int | None = None) -> list[str]:
     """Read prompts from a JSON-lines file in MT-bench ``question.jsonl`` layout (the first turn of each question).
 

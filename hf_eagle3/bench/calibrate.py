@@ -1,14 +1,14 @@
 """``hf-eagle3 calibrate``: time the forwards a decoding round is made of, ahead of time, into the cost table that
 every ``"auto"`` call prices its rounds with (:func:`~hf_eagle3.core.cost_model.calibrate`); show, ship, load or reset
 that table.
+
+The module is light (its parser builds without torch): the command imports the cost model when it runs.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-
-from hf_eagle3.core.cost_model import CALIBRATION_CONTEXTS, calibrate, cost_table
 
 
 def _ints(text: str, option: str) -> tuple:
@@ -31,6 +31,8 @@ def calibrate_command(args) -> int:
     Returns:
         0.
     """
+    from hf_eagle3.core.cost_model import calibrate, cost_table
+
     table = cost_table()
     if args.reset:
         table.reset()
@@ -49,10 +51,9 @@ def calibrate_command(args) -> int:
         return 0
     batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
     contexts = _ints(args.contexts, "--contexts")
-    from hf_eagle3.loading import load_draft, load_target
+    from hf_eagle3.loading import load_pair
 
-    target, _ = load_target(args.target, dtype=args.dtype, device=args.device, tokenizer="none")
-    draft, name, _ = load_draft(args.draft, target)
+    target, _, draft, name, _ = load_pair(args.target, args.draft, args.dtype, args.device, tokenizer="none")
     draft.bind_target(target)
     print(f"Timing {name} with its target at contexts {contexts} for batch sizes {batch_sizes} ...", file=sys.stderr)
     calibrate(target, draft, batch_sizes=batch_sizes, contexts=contexts, save=False,
@@ -68,7 +69,7 @@ def add_calibrate_parser(subparsers):
     Args:
         subparsers: what ``ArgumentParser.add_subparsers`` returned.
     """
-    from hf_eagle3.cli import add_model_placement
+    from hf_eagle3.cli import add_model_placement, core_constant
 
     p = subparsers.add_parser(
         "calibrate",
@@ -81,7 +82,7 @@ def add_calibrate_parser(subparsers):
     p.add_argument("--target", default=None, help="target Hub id or directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None, help="EAGLE-3 draft (default: as for demo)")
     p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes to calibrate (default 1)")
-    p.add_argument("--contexts", default=",".join(str(c) for c in CALIBRATION_CONTEXTS),
+    p.add_argument("--contexts", default=",".join(str(c) for c in core_constant("cost_model", "CALIBRATION_CONTEXTS")),
                    help="comma-separated cache lengths to time at; costs between are interpolated (default %(default)s)")
     p.add_argument("--out", default=None, help="also write the table to this file, to ship it or pass it elsewhere (default: none)")
     p.add_argument("--load", default=None, metavar="FILE", help="merge a table written by --out into this machine's (default: none)")

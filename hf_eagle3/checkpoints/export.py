@@ -57,14 +57,14 @@ from .openvino import (
     openvino_layer_ids,
     optimum_weight_format,
 )
+from .parsers import DEFAULT_SCHEDULE, DTYPES, FORMATS  # noqa: F401  (DTYPES: importable from here)
+from .parsers import add_export_parser as register  # noqa: F401  (the parser, kept importable from here)
 
 CORE_DIR = Path(__file__).resolve().parents[1] / "core"
 # The files a remote-code bundle carries: every module of the core folder (its ``__init__`` is the folder's map).
 # ``auto_entry.py`` is what ``AutoModel`` loads: the draft class, plus the hook.
 CORE_FILES = tuple(sorted(p.name for p in CORE_DIR.glob("*.py") if p.name != "__init__.py"))
 AUTO_MAP = {"AutoConfig": "configuration_eagle3.Eagle3Config", "AutoModel": "auto_entry.Eagle3DraftModel"}
-DTYPES = ("bf16", "fp16", "fp32")  # the --dtype choices (any name parse_dtype reads works in Python)
-FORMATS = ("native", "flat", "speculators", "openvino")
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -100,9 +100,6 @@ def _state_dict(draft, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
 def _dtype_name(state: dict[str, torch.Tensor]) -> str:
     floats = [t.dtype for t in state.values() if t.is_floating_point()]
     return str(floats[0] if floats else torch.float32).split(".")[-1]
-
-
-DEFAULT_SCHEDULE = "auto"  # the draft-length schedule exports write unless told otherwise (see docs/cost_model.md)
 
 
 def _write_generation_config(draft, out_dir: Path, num_assistant_tokens: int | None = None) -> None:
@@ -454,64 +451,3 @@ def _target_for(args: argparse.Namespace):
 
         return AutoConfig.from_pretrained(str(smollm2_path()) if args.target == "smollm2" else args.target)
     return load_target(args.target, tokenizer="none")[0]
-
-
-def register(subparsers) -> argparse.ArgumentParser:
-    """Add the ``export`` subcommand to an ``argparse`` sub-parser collection.
-
-    The caller runs the command with ``args.func(args)``.
-
-    Args:
-        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
-
-    Returns:
-        `argparse.ArgumentParser`: the ``export`` parser.
-    """
-    parser = subparsers.add_parser(
-        "export",
-        help="convert a draft to a trust_remote_code bundle, the flat (SGLang), the speculators (vLLM) layout or "
-        "OpenVINO IR (OpenVINO GenAI)",
-        description="Convert an EAGLE-3 draft (native, flat or speculators layout) to another layout.",
-    )
-    parser.add_argument("src", metavar="SRC", help="draft directory or Hub id, in any supported layout")
-    parser.add_argument("out_dir", metavar="DIR", help="output directory")
-    parser.add_argument(
-        "--remote-code",
-        action="store_true",
-        help="write a bundle that loads with AutoModel.from_pretrained(DIR, trust_remote_code=True) without hf_eagle3",
-    )
-    parser.add_argument("--format", choices=FORMATS, default="native", help="checkpoint layout (default: native)")
-    parser.add_argument(
-        "--dtype", choices=DTYPES, default=None, help="dtype of the weights (default: as stored)"
-    )
-    parser.add_argument(
-        "--num-spec-tokens",
-        type=int,
-        default=None,
-        metavar="K",
-        help="speculative_tokens written in a speculators config (default: the draft's num_assistant_tokens)",
-    )
-    parser.add_argument(
-        "--target",
-        default=None,
-        help="with --format speculators: the target (Hub id, directory, or smollm2), whose embedding is written for a "
-        "draft that shares it, as speculators' own checkpoints carry it (default: none; a warning then); with "
-        "--format openvino: the target whose layer count resolves the layers of a draft that does not pin them",
-    )
-    parser.add_argument(
-        "--optimum-cli",
-        default=None,
-        metavar="PATH",
-        help="with --format openvino: optimum-intel's optimum-cli, installed in an environment of its own "
-        "(transformers<5.6; docs/layouts.md) (default: optimum-cli on PATH)",
-    )
-    parser.add_argument(
-        "--schedule",
-        choices=SCHEDULES + ("keep",),
-        default=DEFAULT_SCHEDULE,
-        help="num_assistant_tokens_schedule written to generation_config.json: auto chooses the draft length each "
-        "round (drafting nothing included) from costs measured where the draft runs; keep = the draft's own "
-        f"(default: {DEFAULT_SCHEDULE})",
-    )
-    parser.set_defaults(func=_run)
-    return parser

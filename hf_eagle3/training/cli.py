@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 from ..loading import load_target, parse_dtype
 from .hardware import resolve_dtype
+from .parsers import DTYPES, register  # noqa: F401  (the parsers, light; kept importable from here)
 
 
 def default_device() -> str:
@@ -101,6 +103,7 @@ def cmd_prepare(args) -> None:
     device = None if device_map is not None else args.device or default_device()
     dtype, line = resolve_dtype(args.dtype, device or default_device())
     print(line)
+    print("loading the target ...", file=sys.stderr, flush=True)
     model, tok = load_target(args.target, dtype, device=device, device_map=device_map)
     files = [args.prompts] if args.prompts is not None else []
     if self_file is not None:
@@ -138,45 +141,20 @@ def cmd_train(args) -> None:
         args: the parsed ``train`` options.
     """
     import torch
+    from accelerate import PartialState
 
-    from .features import cache_features
-    from .prepare import iter_records
-    from .trainer import TrainConfig, draft_config_for_target, end_distributed, evaluate, init_draft, train
-    from .vocab import build_vocab_mapping, count_tokens, coverage
+    from .trainer import end_distributed, train
 
-    if not args.target_temperature > 0:  # before any record is read or feature computed
-        raise SystemExit(f"--target-temperature {args.target_temperature}: give a temperature > 0 (1 = the target's "
-                         "own distribution, the reference recipe; e.g. 0.5 sharpens it for greedy decoding).")
-    select_by = args.select_by or ("holdout" if args.holdout_shards else "last")
-    if args.accumulate < 1:  # before any record is read or feature computed
-        raise SystemExit(f"--accumulate {args.accumulate}: give the batches per optimiser step, >= 1.")
-    if select_by == "holdout" and args.holdout_shards < 1:
-        raise SystemExit("--select-by holdout scores checkpoints on held-out shards: give --holdout-shards >= 1, or "
-                         "--select-by last.")
+    select_by = _check_train_options(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    all_records = list(iter_records(args.data))  # the vocabulary counts them all; --max-records cuts the feature pass
-    records = all_records[: args.max_records] if args.max_records else all_records
-    print(f"{len(records)} records from {args.data}" + (f" (of {len(all_records)}; the draft vocabulary counts them all)"
-                                                       if len(records) < len(all_records) else ""))
+    all_records, records = _read_records(args)
     features_dir = Path(args.features_dir or out / "features")
     # Under `accelerate launch` / torchrun: the main process caches the features and builds the vocabulary, the
     # others wait and read them; training is data parallel; only the main process saves.
-    from accelerate import PartialState
-
     state = PartialState(cpu=not torch.cuda.is_available())
     if not args.skip_features and state.is_main_process:
-        device = args.device or default_device()
-        dtype, line = resolve_dtype(args.feature_dtype, device, label="feature dtype")
-        print(line)
-        target, _ = load_target(args.target, dtype, device=device, tokenizer="none")
-        from ..core.configuration_eagle3 import default_feature_layer_ids
-        from ..core.feature_capture import find_decoder_layers
-
-        layer_ids = default_feature_layer_ids(len(find_decoder_layers(target)))
-        cache_features(target, records, features_dir, layer_ids, per_shard=args.per_shard, batch_size=args.feature_batch,
-                       max_prompt_tokens=args.max_prompt_context, complete_shards_only=args.complete_shards_only)
-        del target
+        _cache_features(args, records, features_dir)
     state.wait_for_everyone()
     if not (features_dir / "target_head.pt").exists():
         raise SystemExit(f"{features_dir} holds no features (no target_head.pt): drop --skip-features, or point "
@@ -184,37 +162,110 @@ def cmd_train(args) -> None:
     head = torch.load(features_dir / "target_head.pt", weights_only=False)
     torch.manual_seed(args.seed)  # before the draft is built: its new layers are drawn from torch's generator
     if args.init_draft:  # continue from a trained draft (its vocabulary mapping and layer ids win)
-        from ..core.modeling_eagle3 import Eagle3DraftModel
-        from .trainer import check_draft_matches_features
-
-        draft = Eagle3DraftModel.from_pretrained(args.init_draft, dtype=torch.float32)
-        check_draft_matches_features(draft, features_dir, head)  # before anything is written
-        if args.rebuild_vocab:
-            from .vocab import remap_draft_vocab
-
-            counts = count_tokens(r["response_ids"] for r in all_records)
-            for extra in args.vocab_data or []:
-                counts.update(count_tokens(r["response_ids"] for r in iter_records(extra)))
-            before = coverage(counts, draft.d2t.cpu())
-            d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
-            rows = remap_draft_vocab(draft, d2t, t2d, head["lm_head"])
-            print(f"draft vocab rebuilt from {sum(counts.values())} response tokens: covers {before:.4f} -> "
-                  f"{coverage(counts, d2t):.4f} of them; {rows['kept']} rows kept, {rows['new']} from the target's"
-                  + (" (through the map fitted on the kept rows)" if rows["mapped"] else ""))
+        draft = _continued_draft(args, features_dir, head, all_records)
     else:
-        vocab_file = out / "vocab.pt"
-        if not vocab_file.exists() and state.is_main_process:
-            counts = count_tokens(r["response_ids"] for r in all_records)
-            d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
-            torch.save((d2t, t2d), vocab_file)
-            print(f"draft vocab {args.draft_vocab_size}: covers {coverage(counts, d2t):.4f} of response tokens")
-        state.wait_for_everyone()
-        d2t, t2d = torch.load(vocab_file)
-        meta = features_dir / "meta.json"
-        layer_ids = json.loads(meta.read_text()).get("layer_ids") if meta.exists() else None
-        overrides = {"feature_layer_ids": list(layer_ids)} if layer_ids else {}  # the layers the features come from
-        draft = init_draft(draft_config_for_target(head["config"], args.draft_vocab_size, **overrides), head, d2t, t2d)
-    cfg = TrainConfig(
+        draft = _new_draft(args, state, out, features_dir, head, all_records)
+    if state.is_main_process:
+        print("training ...", file=sys.stderr, flush=True)
+    t0 = time.time()
+    draft = train(draft, features_dir, out / "run", _train_config(args, select_by))
+    end_distributed()
+    minutes = (time.time() - t0) / 60
+    if not state.is_main_process:  # the main process holds the same weights and saves them
+        return
+    _save_trained(args, draft, out, features_dir, len(records), minutes)
+
+
+def _check_train_options(args) -> str:
+    """Refuse options that cannot work, before any record is read or feature computed: the ``--select-by`` that
+    applies."""
+    if not args.target_temperature > 0:
+        raise SystemExit(f"--target-temperature {args.target_temperature}: give a temperature > 0 (1 = the target's "
+                         "own distribution, the reference recipe; e.g. 0.5 sharpens it for greedy decoding).")
+    select_by = args.select_by or ("holdout" if args.holdout_shards else "last")
+    if args.accumulate < 1:
+        raise SystemExit(f"--accumulate {args.accumulate}: give the batches per optimiser step, >= 1.")
+    if select_by == "holdout" and args.holdout_shards < 1:
+        raise SystemExit("--select-by holdout scores checkpoints on held-out shards: give --holdout-shards >= 1, or "
+                         "--select-by last.")
+    return select_by
+
+
+def _read_records(args) -> tuple[list, list]:
+    """Every record of ``--data`` (the vocabulary counts them all) and those the feature pass takes
+    (``--max-records``)."""
+    from .prepare import iter_records
+
+    all_records = list(iter_records(args.data))
+    records = all_records[: args.max_records] if args.max_records else all_records
+    print(f"{len(records)} records from {args.data}" + (f" (of {len(all_records)}; the draft vocabulary counts them all)"
+                                                       if len(records) < len(all_records) else ""))
+    return all_records, records
+
+
+def _cache_features(args, records: list, features_dir: Path) -> None:
+    """The feature pass: load the target and cache its features of ``records`` in ``features_dir`` (resumable)."""
+    from ..core.configuration_eagle3 import default_feature_layer_ids
+    from ..core.feature_capture import find_decoder_layers
+    from .features import cache_features
+
+    device = args.device or default_device()
+    dtype, line = resolve_dtype(args.feature_dtype, device, label="feature dtype")
+    print(line)
+    print("loading the target for the feature pass ...", file=sys.stderr, flush=True)
+    target, _ = load_target(args.target, dtype, device=device, tokenizer="none")
+    layer_ids = default_feature_layer_ids(len(find_decoder_layers(target)))
+    cache_features(target, records, features_dir, layer_ids, per_shard=args.per_shard, batch_size=args.feature_batch,
+                   max_prompt_tokens=args.max_prompt_context, complete_shards_only=args.complete_shards_only)
+
+
+def _continued_draft(args, features_dir: Path, head: dict, all_records: list):
+    """``--init-draft``: the trained draft to continue, checked against the features; with ``--rebuild-vocab`` its
+    vocabulary rebuilt from the responses of ``--data`` and ``--vocab-data``."""
+    import torch
+
+    from ..core.modeling_eagle3 import Eagle3DraftModel
+    from .prepare import iter_records
+    from .trainer import check_draft_matches_features
+    from .vocab import count_tokens, rebuild_draft_vocab
+
+    draft = Eagle3DraftModel.from_pretrained(args.init_draft, dtype=torch.float32)
+    check_draft_matches_features(draft, features_dir, head)  # before anything is written
+    if args.rebuild_vocab:
+        counts = count_tokens(r["response_ids"] for r in all_records)
+        for extra in args.vocab_data or []:
+            counts.update(count_tokens(r["response_ids"] for r in iter_records(extra)))
+        print(rebuild_draft_vocab(draft, counts, args.draft_vocab_size, head["config"]["vocab_size"], head["lm_head"]))
+    return draft
+
+
+def _new_draft(args, state, out: Path, features_dir: Path, head: dict, all_records: list):
+    """A new draft for the features' target and layers, its vocabulary the most frequent response tokens (built by
+    the main process into ``OUT/vocab.pt`` once, read by every process)."""
+    import torch
+
+    from .trainer import draft_config_for_target, init_draft
+    from .vocab import build_vocab_mapping, count_tokens, coverage
+
+    vocab_file = out / "vocab.pt"
+    if not vocab_file.exists() and state.is_main_process:
+        counts = count_tokens(r["response_ids"] for r in all_records)
+        d2t, t2d = build_vocab_mapping(counts, args.draft_vocab_size, head["config"]["vocab_size"])
+        torch.save((d2t, t2d), vocab_file)
+        print(f"draft vocab {args.draft_vocab_size}: covers {coverage(counts, d2t):.4f} of response tokens")
+    state.wait_for_everyone()
+    d2t, t2d = torch.load(vocab_file)
+    meta = features_dir / "meta.json"
+    layer_ids = json.loads(meta.read_text()).get("layer_ids") if meta.exists() else None
+    overrides = {"feature_layer_ids": list(layer_ids)} if layer_ids else {}  # the layers the features come from
+    return init_draft(draft_config_for_target(head["config"], args.draft_vocab_size, **overrides), head, d2t, t2d)
+
+
+def _train_config(args, select_by: str):
+    """The :class:`~hf_eagle3.training.trainer.TrainConfig` of the ``train`` options."""
+    from .trainer import TrainConfig
+
+    return TrainConfig(
         ttt_length=args.ttt_length, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
         warmup_steps=args.warmup_steps, max_prompt_context=args.max_prompt_context,
         prompt_loss_weight=args.prompt_loss_weight, target_temperature=args.target_temperature,
@@ -222,21 +273,22 @@ def cmd_train(args) -> None:
         max_minutes=args.max_minutes, holdout_shards=args.holdout_shards, seed=args.seed,
         select_by=select_by, accumulate=args.accumulate, fsdp=args.fsdp,
     )
-    t0 = time.time()
-    draft = train(draft, features_dir, out / "run", cfg)
-    end_distributed()
-    minutes = (time.time() - t0) / 60
-    if not state.is_main_process:  # the main process holds the same weights and saves them
-        return
+
+
+def _save_trained(args, draft, out: Path, features_dir: Path, num_records: int, minutes: float) -> None:
+    """Score the trained draft on the held-out shards, save it with its training summary, and export it as asked."""
     metrics = {}
     if args.holdout_shards:
+        from .trainer import evaluate
+
+        print("scoring the draft on the held-out shards ...", file=sys.stderr, flush=True)
         metrics = evaluate(draft, features_dir, ttt_length=args.ttt_length, holdout_shards=args.holdout_shards,
                            max_prompt_context=args.max_prompt_context)
     save_dir = Path(args.save_dir or out / "draft")
     dtype = parse_dtype(args.save_dtype)
     draft.to(dtype).save_pretrained(save_dir)
     (save_dir / "training_summary.json").write_text(json.dumps({
-        "records": len(records), "train_minutes_this_run": minutes, "holdout": metrics,
+        "records": num_records, "train_minutes_this_run": minutes, "holdout": metrics,
         "selection": (json.loads((out / "run" / "selection.json").read_text())
                       if (out / "run" / "selection.json").exists() else {"selected": "last"}),
         "config": vars(args),
@@ -300,182 +352,6 @@ def cmd_evaluate(args) -> None:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"draft": args.draft, "features_dir": args.features_dir,
                                                    "shards": args.shards, **metrics}, indent=2))
-
-
-DTYPES = ["auto", "float32", "bfloat16", "float16"]
-
-
-def register(subparsers) -> None:
-    """Add the ``prepare``, ``train`` and ``evaluate`` subcommands to an argparse ``subparsers``.
-
-    Args:
-        subparsers: what ``ArgumentParser.add_subparsers`` returned.
-    """
-    p = subparsers.add_parser(
-        "prepare",
-        help="regenerate training responses with the target (resumable)",
-        description="Answer the prompts of a JSONL file with the target itself (its chat template, greedy by "
-        "default) and store the token ids under --out; a rerun skips the prompts already answered. With "
-        "--self-prompts N the target first writes N prompts of its own. With "
-        "--features-dir it also writes the draft's training features during generation.",
-    )
-    p.add_argument("--target", default=None, help="Hub id or local path (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--prompts", default=None,
-                   help="the data: .jsonl / .json of {id, prompt}, OpenAI {messages: [{role, content}]}, ShareGPT "
-                   "{conversations: [{from, value}]} or {turns: [...]}, or a `datasets` folder or Hub name (needs "
-                   "hf-eagle3[data]); every user turn is answered; required unless --self-prompts is given "
-                   "(default: none)")
-    p.add_argument("--split", default="train", help="split of a `datasets` folder or Hub dataset (default train)")
-    p.add_argument("--answers", default="regenerate", choices=["regenerate", "given"],
-                   help="regenerate: the target answers every user turn (the recipe); given: use the data's own "
-                   "assistant turns as they are (off-policy answers lower acceptance; warns) (default regenerate)")
-    p.add_argument("--out", required=True, help="directory of the responses-*.jsonl files (created; resumed)")
-    p.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts (default: all)")
-    p.add_argument("--max-prompt-tokens", type=int, default=512,
-                   help="skip prompts longer than this after templating (default 512)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="response length cap (default 256)")
-    p.add_argument("--batch-size", type=int, default=32, help="prompts per generate call (default 32)")
-    p.add_argument("--do-sample", action="store_true", help="sample the responses (default: greedy)")
-    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature with --do-sample (default 0.7)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="dtype of the target (default auto: bfloat16 on GPUs and CPUs with bf16 hardware, "
-                   "float32 elsewhere)")
-    p.add_argument("--features-dir", default=None,
-                   help="also write the training features, captured during generation (saves `train` the feature "
-                   "pass: give it --features-dir DIR --skip-features; default: none written)")
-    p.add_argument("--max-feature-prompt-tokens", type=int, default=256,
-                   help="prompt positions kept per record in the feature shards (default 256)")
-    p.add_argument("--device", default=None, help="where the target runs (default: cuda:LOCAL_RANK if CUDA, else cpu)")
-    p.add_argument("--device-map", default=None,
-                   help="spread a target too large for one device over several: auto, balanced, sequential, or a "
-                   "JSON object of module name to device (from_pretrained's device_map; excludes --device; with "
-                   "torchrun give each process its own devices with CUDA_VISIBLE_DEVICES) (default: one device)")
-    p.add_argument("--self-prompts", type=int, default=0,
-                   help="first have the target write N prompts of its own (Magpie: its chat template up to a user "
-                   "turn, sampled with --seed; degenerate, duplicate and --exclude-prompts-overlapping ones dropped), "
-                   "then answer them like --prompts (default 0: none)")
-    p.add_argument("--self-prompts-file", default=None,
-                   help="JSONL the self-written prompts go to; a rerun continues it (default: OUT/self_prompts.jsonl)")
-    p.add_argument("--exclude-prompts", default=None,
-                   help="JSONL of evaluation prompts ({turns: [...]} or {prompt}) no self-written prompt may equal "
-                   "or share a 50-character span with; pass your MT-bench question.jsonl when you measure on MT-bench "
-                   "(default: none)")
-    p.add_argument("--self-prompt-temperature", type=float, default=1.0,
-                   help="sampling temperature of the self-written prompts (default 1.0)")
-    p.add_argument("--num-shards", type=int, default=None,
-                   help="processes sharing the prompts (default: $WORLD_SIZE, set by accelerate launch / torchrun; 1)")
-    p.add_argument("--shard-index", type=int, default=None,
-                   help="this process's share, 0..num-shards-1 (default: $RANK; 0)")
-    p.set_defaults(func=cmd_prepare)
-
-    t = subparsers.add_parser(
-        "train",
-        help="train an EAGLE-3 draft (training-time test) on prepared data",
-        description="Cache the target's features for the responses under --data, build the draft vocabulary, "
-        "train a draft with the training-time test and save it under --out (every step resumable). Training ends "
-        "after --epochs, --max-steps or --max-minutes, whichever comes first, and says which.",
-    )
-    t.add_argument("--target", default=None,
-                   help="target of the feature pass, Hub id or local path (default: SmolLM2-135M-Instruct)")
-    t.add_argument("--data", required=True, help="directory written by `hf-eagle3 prepare`")
-    t.add_argument("--out", required=True, help="run directory: vocab.pt, features/, run/ (checkpoints), draft/")
-    t.add_argument("--save-dir", default=None, help="where the trained draft is saved (default: OUT/draft)")
-    t.add_argument("--features-dir", default=None,
-                   help="feature shards, read and written (default: OUT/features)")
-    t.add_argument("--skip-features", action="store_true",
-                   help="features are already cached (by prepare --features-dir): no feature pass (default: run it)")
-    t.add_argument("--complete-shards-only", action="store_true",
-                   help="leave a last, partial feature shard unwritten, for data still growing (default: write it)")
-    t.add_argument("--max-records", type=int, default=0,
-                   help="cache features for the first N records only (default 0: all); the draft vocabulary is "
-                        "counted over all of --data either way")
-    t.add_argument("--per-shard", type=int, default=128, help="records per feature shard (default 128)")
-    t.add_argument("--feature-batch", type=int, default=8,
-                   help="sequences per target forward in the feature pass (default 8)")
-    t.add_argument("--feature-dtype", default="auto", choices=DTYPES,
-                   help="dtype of the target in the feature pass (default auto: bfloat16 on GPUs and CPUs with bf16 "
-                   "hardware, float32 elsewhere)")
-    t.add_argument("--device", default=None,
-                   help="where the target runs for the feature pass (default: cuda:LOCAL_RANK if CUDA, else cpu)")
-    t.add_argument("--draft-vocab-size", type=int, default=8192,
-                   help="draft vocabulary: the most frequent response tokens (default 8192)")
-    t.add_argument("--rebuild-vocab", action="store_true",
-                   help="with --init-draft: rebuild the draft vocabulary (--draft-vocab-size tokens) from the "
-                        "responses of --data and --vocab-data, keeping the trained rows of tokens it already had "
-                        "(default: keep the init draft's vocabulary)")
-    t.add_argument("--vocab-data", nargs="*", default=None,
-                   help="more response directories (of `prepare`) whose tokens count for --rebuild-vocab "
-                        "(default: none, --data only)")
-    t.add_argument("--init-draft", default=None,
-                   help="start from this trained draft instead of a new one (default: a new draft)")
-    t.add_argument("--ttt-length", type=int, default=7, help="draft steps unrolled per position (default 7)")
-    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of AdamW (default 0.001)")
-    t.add_argument("--epochs", type=int, default=1, help="passes over the training shards (default 1)")
-    t.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch (default 4096)")
-    t.add_argument("--warmup-steps", type=int, default=50,
-                   help="linear warm-up steps before the cosine decay (default 50)")
-    t.add_argument("--max-prompt-context", type=int, default=256,
-                   help="prompt tokens kept before each response (default 256)")
-    t.add_argument("--prompt-loss-weight", type=float, default=0.0,
-                   help="also train on prompt positions with this weight (default 0: responses only, the reference)")
-    t.add_argument("--target-temperature", type=float, default=1.0,
-                   help="temperature of the target's distribution used as soft labels (default 1: the reference; "
-                        "below 1 sharpens it towards the argmax that greedy decoding accepts)")
-    t.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"],
-                   help="autocast of training (default auto: bf16 on GPUs and CPUs with bf16 hardware, no elsewhere)")
-    t.add_argument("--seed", type=int, default=0,
-                   help="seed of the draft's new layers, of the shard and batch order and of torch while training "
-                        "(default 0): two runs with one seed give the same draft; a run that continues a draft for "
-                        "part of a pass sees other shards first with a new seed")
-    t.add_argument("--save-every", type=int, default=100, help="checkpoint every N optimiser steps (default 100)")
-    t.add_argument("--max-steps", type=int, default=0, help="stop after N optimiser steps (default 0: no limit)")
-    t.add_argument("--max-minutes", type=float, default=0.0,
-                   help="stop after this many minutes of training; the schedule follows the clock (default 0: no "
-                   "limit; --epochs still ends training first if it comes first)")
-    t.add_argument("--holdout-shards", type=int, default=1,
-                   help="first feature shards kept out of training to measure accuracy (default 1)")
-    t.add_argument("--accumulate", type=int, default=1,
-                   help="batches per process per optimiser step (gradient accumulation; default 1): N processes "
-                   "take N x this many batches a step, so one GPU with --accumulate 8 follows an 8-GPU run's curve")
-    t.add_argument("--fsdp", action="store_true",
-                   help="under torchrun / accelerate launch: shard the draft's weights, gradients and optimiser "
-                   "state over the processes (FSDP) instead of replicating them (DDP), for drafts (a large vocabulary "
-                   "head) or optimiser states that do not fit on one device (default: DDP)")
-    t.add_argument("--select-by", default=None, choices=["holdout", "last"],
-                   help="which weights are saved: holdout = the checkpoint (every --save-every steps and at the end) "
-                   "with the highest replayed greedy chain acceptance (k=5) on the held-out shards, last = the last "
-                   "weights (default: holdout when --holdout-shards >= 1, else last)")
-    t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the saved draft (default bfloat16)")
-    t.add_argument("--export-flat", action="store_true",
-                   help="also write the flat layout (SGLang, EAGLE reference) to OUT/export-flat (default: off)")
-    t.add_argument("--export-speculators", action="store_true",
-                   help="also write the speculators layout (vLLM) to OUT/export-speculators (default: off)")
-    t.set_defaults(func=cmd_train)
-
-    e = subparsers.add_parser(
-        "evaluate",
-        help="score a draft on cached features: per-step accuracy and replayed chain acceptance",
-        description="Run the draft teacher-forced over feature shards (written by `train`, or by `prepare "
-        "--features-dir` on answers to your own prompts) and report its per-step accuracy against the target's "
-        "argmax and the mean acceptance length greedy chain decoding would reach on those answers, replayed from "
-        "one pass instead of decoding. The replay is exact where the answers are the target's greedy ones.",
-    )
-    e.add_argument("--draft", required=True, help="the draft: a directory or Hub id any Eagle3DraftModel loads")
-    e.add_argument("--features-dir", required=True, help="feature shards (shard-*.pt, target_head.pt, meta.json)")
-    e.add_argument("--shards", default="holdout", choices=["holdout", "all"],
-                   help="score the first --holdout-shards shards (those training leaves out) or every shard "
-                   "(default holdout)")
-    e.add_argument("--holdout-shards", type=int, default=1, help="leading shards held out in training (default 1)")
-    e.add_argument("--k", type=int, default=5, help="draft tokens per round of the replayed chain (default 5)")
-    e.add_argument("--ttt-length", type=int, default=5, help="draft steps whose accuracy is reported (default 5)")
-    e.add_argument("--max-prompt-context", type=int, default=256,
-                   help="prompt tokens kept before each answer (default 256)")
-    e.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch (default 4096)")
-    e.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's choice)")
-    e.add_argument("--json-out", default=None, help="also write the figures to this JSON file (default: none)")
-    e.set_defaults(func=cmd_evaluate)
 
 
 def main(argv=None) -> None:

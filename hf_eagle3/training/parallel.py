@@ -3,7 +3,7 @@
 ``fully_shard``), for drafts whose vocabulary head or optimiser state do not fit on one device.
 
 Every process takes its own batches in all three; the optimiser step sees the gradient averaged over the processes'
-batches, so one process accumulating their batches reaches the same weights (``tests/test_training.py`` compares
+batches, so one process accumulating their batches reaches the same weights (``tests/training/test_parallel.py`` compares
 the loss curves). Launch several processes with ``torchrun`` or ``accelerate launch``.
 """
 

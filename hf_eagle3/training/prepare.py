@@ -249,36 +249,18 @@ def prepare(
     Returns:
         ``out_dir`` as a ``Path``.
     """
-    if not (isinstance(num_shards, int) and num_shards >= 1 and 0 <= shard_index < num_shards):
-        raise ValueError(f"shard_index {shard_index} / num_shards {num_shards}: need num_shards >= 1 and "
-                         "0 <= shard_index < num_shards (one index per process).")
-    if answers not in ANSWERS:
-        raise ValueError(f"answers={answers!r}: use 'regenerate' (the target answers, the recipe) or 'given'.")
-    if answers == "given" and features_dir is not None:
-        raise ValueError("features are captured while the target answers; with answers='given' nothing is "
-                         "generated: drop features_dir (--features-dir) and let `train` compute the features.")
+    _check_share_and_answers(num_shards, shard_index, answers, features_dir)
     if features_dir is not None:
         layer_ids = _feature_layer_ids(model, features_dir, layer_ids)
-    conversations, summary = read_conversations(prompts_path, max_prompts, split)
     regenerate = answers == "regenerate"
-    usable = []
-    for c in conversations:
-        try:
-            check_template(tokenizer, c, regenerate)
-            usable.append(c)
-        except BadRow as bad:
-            summary.skip(f"{prompts_path}:id {c['id']}", str(bad))
-    summary.kept = len(usable)
-    for line in summary.lines():
-        log(line)
+    usable = _usable_conversations(tokenizer, prompts_path, max_prompts, split, regenerate, log)
     if not regenerate:
         warnings.warn("answers='given' (--answers given): the data's own answers are used as they are. Answers the "
                       "target did not write are off-policy and lower the draft's acceptance; regenerate them (the "
                       "default) unless the target wrote them.", stacklevel=2)
     mine = usable[shard_index::num_shards]
     out = Path(out_dir)
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    eos = _eos_ids(model)
     done = done_turns(out) if out.exists() else {}
     part = f"p{shard_index}-" if num_shards > 1 else ""  # file names of this process's share
     prefix = f"responses-{part}"
@@ -289,97 +271,103 @@ def prepare(
             log(f"{features_dir}: dropped {dropped[0]} feature record(s) and {dropped[1]} response(s) (in {out}) "
                 "without their partner, left by an interrupted run; their turns are answered again")
     if not regenerate:
-        rows = []
-        for c in mine:
-            try:
-                rows += [r for r in _given_records(tokenizer, c, eos) if (r["id"], r["turn"]) not in done]
-            except BadRow as bad:
-                log(f"skipped {prompts_path}:id {c['id']}: {bad}")
-        if rows:
-            out.mkdir(parents=True, exist_ok=True)
-            with open(_next_file(out, prefix, ".jsonl"), "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+        _write_given(tokenizer, mine, done, eos, out, prefix, prompts_path, log)
         return out
     pending = sum(user_turns(c) for c in mine) - sum(1 for c in mine for t in range(user_turns(c)) if (c["id"], t) in done)
     if not pending:  # everything answered already: write nothing (no empty shard, no features directory)
         return out
     out.mkdir(parents=True, exist_ok=True)
     shard = _next_file(out, prefix, ".jsonl")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    torch.manual_seed(seed + shard_index)
+    recorder = None
+    if features_dir is not None:
+        recorder = _GenerationFeatureRecorder(model, features_dir, layer_ids, feature_dtype or torch.bfloat16,
+                                              max_feature_prompt_tokens, prefix=f"shard-{part}")
+    generation = {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
+                  "temperature": temperature if do_sample else None, "top_p": None, "top_k": None}
+    _answer_turns(model, tokenizer, mine, done, shard, eos, recorder, generation, batch_size, max_prompt_tokens,
+                  pending if progress else None, log)
+    return out
+
+
+def _check_share_and_answers(num_shards: int, shard_index: int, answers: str, features_dir) -> None:
+    """Refuse a share or an ``answers`` setting :func:`prepare` cannot honour."""
+    if not (isinstance(num_shards, int) and num_shards >= 1 and 0 <= shard_index < num_shards):
+        raise ValueError(f"shard_index {shard_index} / num_shards {num_shards}: need num_shards >= 1 and "
+                         "0 <= shard_index < num_shards (one index per process).")
+    if answers not in ANSWERS:
+        raise ValueError(f"answers={answers!r}: use 'regenerate' (the target answers, the recipe) or 'given'.")
+    if answers == "given" and features_dir is not None:
+        raise ValueError("features are captured while the target answers; with answers='given' nothing is "
+                         "generated: drop features_dir (--features-dir) and let `train` compute the features.")
+
+
+def _eos_ids(model) -> set[int]:
+    """The ids that end an answer (the model's generation config's ``eos_token_id``)."""
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+
+
+def _usable_conversations(tokenizer, prompts_path, max_prompts: int | None, split: str, regenerate: bool,
+                          log) -> list[dict]:
+    """The conversations of the data the chat template can render (the others counted, skipped and summarised in
+    the lines given to ``log``)."""
+    conversations, summary = read_conversations(prompts_path, max_prompts, split)
+    usable = []
+    for c in conversations:
+        try:
+            check_template(tokenizer, c, regenerate)
+            usable.append(c)
+        except BadRow as bad:
+            summary.skip(f"{prompts_path}:id {c['id']}", str(bad))
+    summary.kept = len(usable)
+    for line in summary.lines():
+        log(line)
+    return usable
+
+
+def _write_given(tokenizer, conversations: list[dict], done: dict, eos: set[int], out: Path, prefix: str,
+                 prompts_path, log) -> None:
+    """``answers="given"``: write the records of the data's own answers not written yet."""
+    rows = []
+    for c in conversations:
+        try:
+            rows += [r for r in _given_records(tokenizer, c, eos) if (r["id"], r["turn"]) not in done]
+        except BadRow as bad:
+            log(f"skipped {prompts_path}:id {c['id']}: {bad}")
+    if rows:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(_next_file(out, prefix, ".jsonl"), "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def _answer_turns(model, tokenizer, conversations: list[dict], done: dict, shard: Path, eos: set[int], recorder,
+                  generation: dict, batch_size: int, max_prompt_tokens: int, pending: int | None, log) -> None:
+    """Answer the turns of ``conversations`` not in ``done``, turn by turn (a turn sees its conversation's earlier
+    answers), batch by batch, each batch committed to ``shard`` (and, with a ``recorder``, its feature shard);
+    ``pending`` turns on a progress bar (``None``: no bar). Turns skipped as too long are counted to ``log``."""
     bar = None
-    if progress:
+    if pending is not None:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=pending, desc="prepare", unit="turn")
-    torch.manual_seed(seed + shard_index)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    extra = {} if recorder is None else {"logits_processor": LogitsProcessorList([recorder])}
     device = _input_device(model)
     n_tokens, t0, too_long = 0, time.perf_counter(), 0
-    recorder, extra = None, {}
-    if features_dir is not None:
-        recorder = _GenerationFeatureRecorder(model, features_dir, layer_ids, feature_dtype or torch.bfloat16,
-                                              max_feature_prompt_tokens,
-                                              prefix=f"shard-{part}")
-        extra = {"logits_processor": LogitsProcessorList([recorder])}
     try:
         with open(shard, "a") as f:
-            for turn in range(max((user_turns(c) for c in mine), default=0)):
-                # this turn of every conversation whose earlier turns are answered (in an earlier run or round)
-                todo = []
-                for c in mine:
-                    if turn >= user_turns(c) or (c["id"], turn) in done:
-                        continue
-                    if any((c["id"], t) not in done for t in range(turn)):
-                        continue  # an earlier turn was skipped (too long): so are the turns after it
-                    history = [tokenizer.decode(done[c["id"], t], skip_special_tokens=True) for t in range(turn)]
-                    ids = render(tokenizer, turn_messages(c, turn, history), add_generation_prompt=True)
-                    if len(ids) <= max_prompt_tokens:
-                        todo.append((c["id"], ids))
-                    else:
-                        too_long += 1
-                # in data order, chunk-wise sorted by length so that batches carry little padding
-                chunk = batch_size * 16
-                batches = []
-                for s in range(0, len(todo), chunk):
-                    part_todo = sorted(todo[s : s + chunk], key=lambda x: len(x[1]))
-                    batches += [part_todo[i : i + batch_size] for i in range(0, len(part_todo), batch_size)]
-                for batch in batches:
-                    width = max(len(ids) for _, ids in batch)
-                    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-                    mask = torch.zeros((len(batch), width), dtype=torch.long)
-                    for i, (_, ids) in enumerate(batch):
-                        input_ids[i, width - len(ids) :] = torch.tensor(ids)
-                        mask[i, width - len(ids) :] = 1
-                    with torch.inference_mode():
-                        if recorder is not None:
-                            recorder.start()
-                        gen = model.generate(
-                            input_ids.to(device),
-                            attention_mask=mask.to(device),
-                            max_new_tokens=max_new_tokens,
-                            do_sample=do_sample,
-                            temperature=temperature if do_sample else None,
-                            top_p=None,
-                            top_k=None,
-                            pad_token_id=pad,
-                            **extra,
-                        )
+            for turn in range(max((user_turns(c) for c in conversations), default=0)):
+                todo, skipped = _turn_prompts(tokenizer, conversations, done, turn, max_prompt_tokens)
+                too_long += skipped
+                for batch in _length_sorted_batches(todo, batch_size):
+                    gen, width = _generate(model, batch, pad, device, recorder, {**generation, **extra})
                     rows = []
                     for i, (cid, ids) in enumerate(batch):
                         resp = _cut_at_eos(gen[i, width:].tolist(), eos)
                         n_tokens += len(resp)
                         rows.append({"id": cid, "turn": turn, "prompt_ids": ids, "response_ids": resp})
-                    # One commit per batch: the feature shard is written under a pending name, then the responses,
-                    # then the shard is renamed into place. A rerun after a kill in between drops both halves.
-                    pending_shard = None
-                    if recorder is not None:
-                        with torch.inference_mode():
-                            pending_shard = recorder.write_shard(rows, width)
-                    for row in rows:
-                        f.write(json.dumps(row) + "\n")
-                        done[row["id"], turn] = row["response_ids"]
-                    f.flush()
-                    if pending_shard is not None:
-                        recorder.commit(pending_shard)
+                    _commit(rows, f, done, recorder, width)
                     if bar is not None:
                         bar.update(len(batch))
                         bar.set_postfix(tok_s=f"{n_tokens / (time.perf_counter() - t0):.1f}")
@@ -393,7 +381,65 @@ def prepare(
             "(raise --max-prompt-tokens to keep them)")
     if shard.exists() and shard.stat().st_size == 0:
         shard.unlink()  # every remaining turn was too long: leave no empty file
-    return out
+
+
+def _turn_prompts(tokenizer, conversations: list[dict], done: dict, turn: int,
+                  max_prompt_tokens: int) -> tuple[list[tuple], int]:
+    """This turn of every conversation whose earlier turns are answered (in an earlier run or round), as ``(id,
+    prompt ids)``, and how many were too long."""
+    todo, too_long = [], 0
+    for c in conversations:
+        if turn >= user_turns(c) or (c["id"], turn) in done:
+            continue
+        if any((c["id"], t) not in done for t in range(turn)):
+            continue  # an earlier turn was skipped (too long): so are the turns after it
+        history = [tokenizer.decode(done[c["id"], t], skip_special_tokens=True) for t in range(turn)]
+        ids = render(tokenizer, turn_messages(c, turn, history), add_generation_prompt=True)
+        if len(ids) <= max_prompt_tokens:
+            todo.append((c["id"], ids))
+        else:
+            too_long += 1
+    return todo, too_long
+
+
+def _length_sorted_batches(todo: list[tuple], batch_size: int) -> list[list[tuple]]:
+    """``todo`` in data order, chunk-wise sorted by length so that batches carry little padding."""
+    chunk = batch_size * 16
+    batches = []
+    for s in range(0, len(todo), chunk):
+        part_todo = sorted(todo[s : s + chunk], key=lambda x: len(x[1]))
+        batches += [part_todo[i : i + batch_size] for i in range(0, len(part_todo), batch_size)]
+    return batches
+
+
+def _generate(model, batch: list[tuple], pad: int, device, recorder, generation: dict) -> tuple[torch.Tensor, int]:
+    """The target's answers to a batch of ``(id, prompt ids)``, left-padded: ``(output ids, padded prompt width)``."""
+    width = max(len(ids) for _, ids in batch)
+    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, (_, ids) in enumerate(batch):
+        input_ids[i, width - len(ids) :] = torch.tensor(ids)
+        mask[i, width - len(ids) :] = 1
+    with torch.inference_mode():
+        if recorder is not None:
+            recorder.start()
+        gen = model.generate(input_ids.to(device), attention_mask=mask.to(device), pad_token_id=pad, **generation)
+    return gen, width
+
+
+def _commit(rows: list[dict], f, done: dict, recorder, width: int) -> None:
+    """One commit per batch: the feature shard is written under a pending name, then the responses, then the shard
+    is renamed into place. A rerun after a kill in between drops both halves."""
+    pending_shard = None
+    if recorder is not None:
+        with torch.inference_mode():
+            pending_shard = recorder.write_shard(rows, width)
+    for row in rows:
+        f.write(json.dumps(row) + "\n")
+        done[row["id"], row["turn"]] = row["response_ids"]
+    f.flush()
+    if pending_shard is not None:
+        recorder.commit(pending_shard)
 
 
 def _feature_layer_ids(model, features_dir, layer_ids: list[int] | None) -> list[int]:

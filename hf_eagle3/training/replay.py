@@ -5,7 +5,7 @@ Why it is exact: step j of the training-time test at base position t (:func:`~hf
 is what the draft computes on its (j+1)-th step of a round whose last committed token is t+1, when the tokens drafted
 before it were the recorded ones; and a round only goes on while they were. So a round starting after token c
 accepts the longest run of steps j whose argmax equals token c+1+j, the target's next token is c+a+1, and the next
-round starts there: greedy decoding replayed. ``tests/test_replay.py`` checks it against decoding round by round
+round starts there: greedy decoding replayed. ``tests/training/test_replay.py`` checks it against decoding round by round
 (float32 features). With the shipped SmolLM2-135M draft on 24 MT-bench questions (features stored in bfloat16,
 decoding in float32) the replay's mean over questions is 1.966 where decoding measured 1.968, 18 questions within
 0.01 and none further apart than 0.03. It holds where the record is the target's greedy answer; where a recorded

@@ -242,6 +242,49 @@ def count_prompts(path: str | os.PathLike) -> int:
     return len(_read_existing(Path(path)))
 
 
+@dataclasses.dataclass
+class _PromptKeeper:
+    """Which sampled user turns :func:`write_self_prompts` keeps: finished, not degenerate, new and not overlapping
+    the evaluation prompts (``seen`` and ``rejected`` are updated as it goes)."""
+
+    tokenizer: object
+    turn: object
+    prompt_filter: PromptFilter
+    overlap: EvalOverlap
+    seen: set
+    rejected: Counter
+
+    def add(self, rows: list[list[int]], lines: list[str], seed: int, num_prompts: int) -> int:
+        """Append the kept prompts of ``rows`` (sampled token ids) to ``lines`` as JSON lines, up to ``num_prompts``
+        lines in all: how many were added."""
+        end_text = self.turn.suffix.strip()
+        added = 0
+        for row in rows:
+            cut = next((j for j, t in enumerate(row) if t in self.turn.stop_ids), None)
+            text = self.tokenizer.decode(row if cut is None else row[:cut], skip_special_tokens=False)
+            if end_text and end_text in text:  # a turn end the template writes as plain text
+                text, cut = text.split(end_text, 1)[0], 0
+            if cut is None:
+                self.rejected["unfinished"] += 1
+                continue
+            text = text.strip()
+            why = self.prompt_filter.reason(text)
+            norm = normalize_prompt(text)
+            if why is None and norm in self.seen:
+                why = "duplicate"
+            if why is None and self.overlap.matches(text):
+                why = "eval overlap"
+            if why is not None:
+                self.rejected[why] += 1
+                continue
+            self.seen.add(norm)
+            lines.append(json.dumps({"id": f"self-{seed}-{len(lines)}", "source": "self", "prompt": text}))
+            added += 1
+            if len(lines) >= num_prompts:
+                break
+        return added
+
+
 def write_self_prompts(
     target,
     tokenizer,
@@ -312,12 +355,12 @@ def write_self_prompts(
     prefix_ids = tokenizer(turn.prefix, add_special_tokens=False)["input_ids"]
     device = next(target.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else turn.stop_ids[0] if turn.stop_ids else 0
-    end_text = turn.suffix.strip()
     rejected: Counter = Counter()
     sampled = 0
     # The stream depends on the seed and on how many prompts the file held: a continued run samples new ones.
     stream_seed = (seed * 1_000_003 + len(lines)) % (2**63)
     cuda = [device] if device.type == "cuda" else []
+    keeper = _PromptKeeper(tokenizer, turn, prompt_filter, overlap, seen, rejected)
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(stream_seed)
         while len(lines) < num_prompts and sampled < budget:
@@ -328,30 +371,7 @@ def write_self_prompts(
                                       temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
                                       eos_token_id=turn.stop_ids or None, pad_token_id=pad)
             sampled += n
-            added = 0
-            for row in gen[:, len(prefix_ids) :].tolist():
-                cut = next((j for j, t in enumerate(row) if t in turn.stop_ids), None)
-                text = tokenizer.decode(row if cut is None else row[:cut], skip_special_tokens=False)
-                if end_text and end_text in text:  # a turn end the template writes as plain text
-                    text, cut = text.split(end_text, 1)[0], 0
-                if cut is None:
-                    rejected["unfinished"] += 1
-                    continue
-                text = text.strip()
-                why = prompt_filter.reason(text)
-                norm = normalize_prompt(text)
-                if why is None and norm in seen:
-                    why = "duplicate"
-                if why is None and overlap.matches(text):
-                    why = "eval overlap"
-                if why is not None:
-                    rejected[why] += 1
-                    continue
-                seen.add(norm)
-                lines.append(json.dumps({"id": f"self-{seed}-{len(lines)}", "source": "self", "prompt": text}))
-                added += 1
-                if len(lines) >= num_prompts:
-                    break
+            added = keeper.add(gen[:, len(prefix_ids) :].tolist(), lines, seed, num_prompts)
             if added:
                 _write_atomically(out, lines)
             if progress:

@@ -233,19 +233,8 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     Returns:
         The trained draft (unwrapped, on CPU).
     """
-    from accelerate import Accelerator
-    from accelerate.utils import broadcast
-
     cfg = cfg or TrainConfig()
-    if cfg.select_by not in ("holdout", "last"):
-        raise ValueError(f"select_by={cfg.select_by!r}: use 'holdout' (the best checkpoint on the held-out shards) "
-                         "or 'last'.")
-    if cfg.select_by == "holdout" and (cfg.holdout_shards < 1 or cfg.select_chain_length < 1):
-        raise ValueError(f"select_by='holdout' scores checkpoints on held-out shards with a replayed chain: it needs "
-                         f"holdout_shards >= 1 (now {cfg.holdout_shards}) and select_chain_length >= 1 (now "
-                         f"{cfg.select_chain_length}); or pass select_by='last' (--select-by last).")
-    if not (isinstance(cfg.accumulate, int) and cfg.accumulate >= 1):
-        raise ValueError(f"accumulate={cfg.accumulate}: give the number of batches per optimiser step, >= 1.")
+    _check_config(cfg)
     head = check_draft_matches_features(draft, features_dir)  # before anything is written
     data = FeatureShards(features_dir, cfg.batch_tokens, cfg.max_prompt_context, cfg.holdout_shards, cfg.seed)
     if not data.shards:
@@ -255,212 +244,317 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    mixed_precision, precision_line = resolve_dtype(cfg.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu",
-                                                    label="mixed precision", bf16="bf16", fallback="no")
-    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
-    embed = torch.nn.Embedding.from_pretrained(head["embed_tokens"], freeze=True)
-    used = torch.arange(draft.config.draft_vocab_size) + draft.d2t.cpu()
-    lm_rows = head["lm_head"][used]
-    t2d = draft.t2d.cpu().bool()
-    world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
-    per_step = world * cfg.accumulate  # batches per optimiser step, over all processes
-    per_epoch = data.num_batches() // per_step  # optimiser steps per epoch, on the data there is now
-    # with a time budget the schedule follows the clock (and data may still grow): no step total
-    total_steps = 0 if cfg.max_minutes else per_epoch * cfg.epochs
-    if cfg.max_steps:
-        total_steps = min(total_steps, cfg.max_steps) if total_steps else cfg.max_steps
-    if main:
-        log(precision_line)
-        if cfg.fsdp and world == 1:
-            log("--fsdp with one process: nothing to shard, training as usual (launch several processes with "
-                "torchrun --nproc-per-node N to shard)")
-        warning = schedule_warning(per_epoch, cfg)
-        if warning:
-            log(warning)
-    if hasattr(draft, "embed_tokens"):  # the draft reads the target's (frozen) embedding during training
-        draft.embed_tokens.requires_grad_(False)
-    draft.train()
-    parallel = DataParallel(accelerator, TTTObjective(draft, cfg.ttt_length, cfg.target_temperature),
-                            lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
-                                                             weight_decay=cfg.weight_decay),
-                            fsdp=cfg.fsdp)
-    model, opt, unwrapped = parallel.model, parallel.step_optimizer, parallel.draft
-    clock = {"start": time.time(), "offset": 0.0, "now": 0.0}
+    run = _TrainingRun(draft, data, out, cfg, head, log)
+    run.resume()
+    run.start()
+    run.train_epochs()
+    run.say_why_it_ended()
+    return run.final_draft()
 
-    def elapsed() -> float:
+
+def _check_config(cfg: TrainConfig) -> None:
+    """Refuse settings :func:`train` cannot honour."""
+    if cfg.select_by not in ("holdout", "last"):
+        raise ValueError(f"select_by={cfg.select_by!r}: use 'holdout' (the best checkpoint on the held-out shards) "
+                         "or 'last'.")
+    if cfg.select_by == "holdout" and (cfg.holdout_shards < 1 or cfg.select_chain_length < 1):
+        raise ValueError(f"select_by='holdout' scores checkpoints on held-out shards with a replayed chain: it needs "
+                         f"holdout_shards >= 1 (now {cfg.holdout_shards}) and select_chain_length >= 1 (now "
+                         f"{cfg.select_chain_length}); or pass select_by='last' (--select-by last).")
+    if not (isinstance(cfg.accumulate, int) and cfg.accumulate >= 1):
+        raise ValueError(f"accumulate={cfg.accumulate}: give the number of batches per optimiser step, >= 1.")
+
+
+class _TrainingRun:
+    """One call of :func:`train`, phase by phase: set up (accelerate, the frozen target head, the optimiser and its
+    schedule), :meth:`resume`, :meth:`start`, :meth:`train_epochs`, :meth:`say_why_it_ended`, :meth:`final_draft`.
+
+    Args:
+        draft: the draft to train.
+        data: the feature shards.
+        out: the run directory (checkpoints, ``log.jsonl``).
+        cfg: the settings.
+        head: the target's head (``target_head.pt``: its embedding and ``lm_head``).
+        log: where progress lines go.
+    """
+
+    def __init__(self, draft: Eagle3DraftModel, data: FeatureShards, out: Path, cfg: TrainConfig, head: dict, log):
+        from accelerate import Accelerator
+
+        self.draft, self.data, self.out, self.cfg, self.log = draft, data, out, cfg, log
+        mixed_precision, precision_line = resolve_dtype(
+            cfg.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu", label="mixed precision", bf16="bf16",
+            fallback="no")
+        self.accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+        self.embed = torch.nn.Embedding.from_pretrained(head["embed_tokens"], freeze=True)
+        used = torch.arange(draft.config.draft_vocab_size) + draft.d2t.cpu()
+        self.lm_rows = head["lm_head"][used]
+        self.t2d = draft.t2d.cpu().bool()
+        acc = self.accelerator
+        self.world, self.rank, self.main = acc.num_processes, acc.process_index, acc.is_main_process
+        self.per_step = self.world * cfg.accumulate  # batches per optimiser step, over all processes
+        self.per_epoch = data.num_batches() // self.per_step  # optimiser steps per epoch, on the data there is now
+        # with a time budget the schedule follows the clock (and data may still grow): no step total
+        self.total_steps = 0 if cfg.max_minutes else self.per_epoch * cfg.epochs
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps) if self.total_steps else cfg.max_steps
+        if self.main:
+            self._log_setup(precision_line)
+        if hasattr(draft, "embed_tokens"):  # the draft reads the target's (frozen) embedding during training
+            draft.embed_tokens.requires_grad_(False)
+        draft.train()
+        self.parallel = DataParallel(acc, TTTObjective(draft, cfg.ttt_length, cfg.target_temperature),
+                                     lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
+                                                                      weight_decay=cfg.weight_decay),
+                                     fsdp=cfg.fsdp)
+        self.clock = {"start": time.time(), "offset": 0.0, "now": 0.0}
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.parallel.optimizer,
+                                                       lambda s: _lr_factor(s, self.progress(s), cfg))
+        self.step, self.start_epoch, self.skip = 0, 0, 0
+        self.finished = None  # (why, the option that continues) when the checkpoint is a run's end
+        self.ckpt = out / "checkpoint.pt"
+        self.ended = None
+        self.logf = None
+
+    def _log_setup(self, precision_line: str) -> None:
+        """The main process's opening lines: the precision, and warnings about the setup."""
+        self.log(precision_line)
+        if self.cfg.fsdp and self.world == 1:
+            self.log("--fsdp with one process: nothing to shard, training as usual (launch several processes with "
+                     "torchrun --nproc-per-node N to shard)")
+        warning = schedule_warning(self.per_epoch, self.cfg)
+        if warning:
+            self.log(warning)
+
+    def elapsed(self) -> float:
         """Training seconds so far; with several processes, the main process's clock (one collective), so that
         every process uses the same learning rate and stops at the same step."""
-        t = clock["offset"] + time.time() - clock["start"]
-        if world > 1:
-            t = float(broadcast(torch.tensor([t], dtype=torch.float64, device=accelerator.device))[0])
+        from accelerate.utils import broadcast
+
+        t = self.clock["offset"] + time.time() - self.clock["start"]
+        if self.world > 1:
+            t = float(broadcast(torch.tensor([t], dtype=torch.float64, device=self.accelerator.device))[0])
         return t
 
-    def progress(s: int) -> float:
-        # with a time budget the schedule follows the clock, so that it ends decayed whatever the speed
-        if cfg.max_minutes:
-            return clock["now"] / (cfg.max_minutes * 60)
-        return (s - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    def progress(self, s: int) -> float:
+        """How far the schedule is at step ``s``: with a time budget it follows the clock, so that it ends decayed
+        whatever the speed."""
+        if self.cfg.max_minutes:
+            return self.clock["now"] / (self.cfg.max_minutes * 60)
+        return (s - self.cfg.warmup_steps) / max(1, self.total_steps - self.cfg.warmup_steps)
 
-    sched = torch.optim.lr_scheduler.LambdaLR(parallel.optimizer, lambda s: _lr_factor(s, progress(s), cfg))
-    step, start_epoch, skip = 0, 0, 0
-    finished = None  # (why, the option that continues) when the checkpoint is a run's end
-    ckpt = out / "checkpoint.pt"
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        layout = {"processes": world, "accumulate": cfg.accumulate, "fsdp": parallel.sharded}
-        saved = state.get("layout", {"processes": world, "accumulate": 1, "fsdp": False})
+    def _layout(self) -> dict:
+        """What a checkpoint must match to be resumed: processes, accumulation and sharding."""
+        return {"processes": self.world, "accumulate": self.cfg.accumulate, "fsdp": self.parallel.sharded}
+
+    def resume(self) -> None:
+        """Continue from the run directory's checkpoint, if there is one (a finished run trains nothing)."""
+        if not self.ckpt.exists():
+            return
+        state = torch.load(self.ckpt, weights_only=False)
+        layout = self._layout()
+        saved = state.get("layout", {"processes": self.world, "accumulate": 1, "fsdp": False})
         if saved != layout:
-            raise ValueError(f"{ckpt} was written by a run with {saved}; this one has {layout}. Resume with the same "
-                             "number of processes, --accumulate and --fsdp, or start in a new --out.")
-        parallel.load(state["model"], state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        step, start_epoch, skip = state["step"], state["epoch"], state["batches_done"]
-        clock["offset"] = clock["now"] = state.get("elapsed", 0.0)
-        finished = _finished(step, start_epoch, clock["now"], cfg)
-        if main and finished:
-            log(f"{out} holds a finished run ({finished[0]}, step {step}): nothing is trained, its weights are "
-                f"returned as they are. To train further raise {finished[1]}, or start in a new --out.")
-        elif main:
-            log(f"resumed from {ckpt} at step {step} (epoch {start_epoch}, batch {skip})")
-    embed = embed.to(accelerator.device)
-    unwrapped._target_embedding = (embed,)
-    if main and not finished:
-        (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
-        _drop_logged_steps_after(out / "log.jsonl", step)  # the steps after the checkpoint are trained again
-    t0 = clock["start"] = time.time()
-    tokens_seen = 0
-    selection = _Selection(out, data, cfg, draft, embed) if cfg.select_by == "holdout" and main else None
+            raise ValueError(f"{self.ckpt} was written by a run with {saved}; this one has {layout}. Resume with the "
+                             "same number of processes, --accumulate and --fsdp, or start in a new --out.")
+        self.parallel.load(state["model"], state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.step, self.start_epoch, self.skip = state["step"], state["epoch"], state["batches_done"]
+        self.clock["offset"] = self.clock["now"] = state.get("elapsed", 0.0)
+        self.finished = _finished(self.step, self.start_epoch, self.clock["now"], self.cfg)
+        if self.main and self.finished:
+            self.log(f"{self.out} holds a finished run ({self.finished[0]}, step {self.step}): nothing is trained, its "
+                     f"weights are returned as they are. To train further raise {self.finished[1]}, or start in a new "
+                     "--out.")
+        elif self.main:
+            self.log(f"resumed from {self.ckpt} at step {self.step} (epoch {self.start_epoch}, batch {self.skip})")
 
-    def save(epoch, batches_done):
-        model_state, optimizer_state = parallel.model_state(), parallel.optimizer_state()  # collectives under FSDP
-        if main:  # one writer; every process holds the same weights
-            tmp = out / "checkpoint.tmp"
+    def start(self) -> None:
+        """Put the frozen embedding in place, record the settings, and start the clock and the selection."""
+        self.embed = self.embed.to(self.accelerator.device)
+        self.parallel.draft._target_embedding = (self.embed,)
+        if self.main and not self.finished:
+            (self.out / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=2, default=str))
+            _drop_logged_steps_after(self.out / "log.jsonl", self.step)  # the steps after the checkpoint run again
+        self.t0 = self.clock["start"] = time.time()
+        self.tokens_seen = 0
+        self.selection = (_Selection(self.out, self.data, self.cfg, self.draft, self.embed)
+                          if self.cfg.select_by == "holdout" and self.main else None)
+
+    def _write_log(self, record: dict) -> None:
+        """Append ``record`` to ``log.jsonl`` (the main process's open file)."""
+        self.logf.write(json.dumps(record) + "\n")
+        self.logf.flush()
+
+    def save(self, epoch: int, batches_done: int) -> None:
+        """Checkpoint (the main process writes; every process takes part in the collectives), and score it for the
+        selection."""
+        model_state, optimizer_state = self.parallel.model_state(), self.parallel.optimizer_state()  # FSDP collectives
+        if self.main:  # one writer; every process holds the same weights
+            tmp = self.out / "checkpoint.tmp"
             torch.save(
                 {
                     "model": model_state,
                     "optimizer": optimizer_state,
-                    "layout": {"processes": world, "accumulate": cfg.accumulate, "fsdp": parallel.sharded},
-                    "scheduler": sched.state_dict(),
-                    "step": step,
+                    "layout": self._layout(),
+                    "scheduler": self.sched.state_dict(),
+                    "step": self.step,
                     "epoch": epoch,
                     "batches_done": batches_done,
-                    "elapsed": clock["now"],
+                    "elapsed": self.clock["now"],
                 },
                 tmp,
             )
-            tmp.replace(ckpt)
-            if selection is not None:
-                score = selection.score(model_state, step)
+            tmp.replace(self.ckpt)
+            if self.selection is not None:
+                score = self.selection.score(model_state, self.step)
                 if score is not None:
-                    logf.write(json.dumps({"step": step, "holdout_acceptance_length": round(score, 4)}) + "\n")
-                    logf.flush()
-        accelerator.wait_for_everyone()
+                    self._write_log({"step": self.step, "holdout_acceptance_length": round(score, 4)})
+        self.accelerator.wait_for_everyone()
 
-    def rounds(epoch):
+    def rounds(self, epoch: int):
         """This process's batches of each optimiser step: a round of ``world * accumulate`` consecutive batches
         gives process r batches r, r + world, ...; an incomplete last round is left out (every process must take
         the same number of optimiser steps)."""
         pending = []
-        for bi, (_, _, items) in enumerate(data.batches(epoch)):
+        for bi, (_, _, items) in enumerate(self.data.batches(epoch)):
             pending.append(items)
-            if len(pending) == per_step:
-                yield bi + 1, pending[rank::world]
+            if len(pending) == self.per_step:
+                yield bi + 1, pending[self.rank::self.world]
                 pending = []
 
-    ended = None
-    with open(out / "log.jsonl", "a") if main else contextlib.nullcontext() as logf:
-        for epoch in range(start_epoch, cfg.epochs if not finished else start_epoch):
-            for batches_done, micro in rounds(epoch):
-                if epoch == start_epoch and batches_done <= skip:
-                    continue
-                losses, accs = [], []
-                for j, items in enumerate(micro):
-                    batch = collate(items, t2d, lm_rows, cfg.prompt_loss_weight)
-                    batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-                    with parallel.no_sync(skip=j < len(micro) - 1):
-                        with accelerator.autocast():
-                            loss, stats = model(batch["features"], batch["input_ids"], batch["target_logits"],
-                                                batch["loss_mask"])
-                        accelerator.backward(loss / len(micro))
-                    losses.append(loss.detach().float())
-                    accs.append(stats["acc"])
-                    tokens_seen += int(batch["loss_mask"].sum())
-                loss = torch.stack(losses).mean()
-                parallel.clip_grad_norm_(cfg.grad_clip)
-                clock["now"] = elapsed()
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-                step += 1
-                if step % cfg.log_every == 0 or step == 1:
-                    tokens = tokens_seen
-                    acc = torch.tensor(accs, dtype=torch.float64).mean(0)
-                    if world > 1:  # every process logs at the same steps: a collective is safe here
-                        tokens = int(accelerator.reduce(torch.tensor(tokens_seen, device=accelerator.device), "sum"))
-                        loss = accelerator.reduce(loss, "mean")  # the step's loss over every process's batches
-                        acc = accelerator.reduce(acc.to(accelerator.device), "mean").cpu()
-                    rec = {
-                        "step": step,
-                        "epoch": epoch,
-                        "loss": float(loss),
-                        "acc": [round(float(a), 4) for a in acc],
-                        "lr": sched.get_last_lr()[0],
-                        "tokens": tokens,
-                        "minutes": round((time.time() - t0) / 60, 2),
-                    }
-                    if main:
-                        logf.write(json.dumps(rec) + "\n")
-                        logf.flush()
-                        log(f"step {step}/{total_steps or '?'} loss {rec['loss']:.4f} acc {rec['acc']} "
-                            f"lr {rec['lr']:.2e} {rec['minutes']:.1f} min")
-                if step % cfg.save_every == 0:
-                    save(epoch, batches_done)
-                if cfg.max_steps and step >= cfg.max_steps:
-                    ended = f"max steps reached (--max-steps {cfg.max_steps}, in epoch {epoch + 1} of {cfg.epochs})"
-                elif cfg.max_minutes and clock["now"] > cfg.max_minutes * 60:
-                    ended = (f"time budget reached (--max-minutes {cfg.max_minutes:g}, {step} step(s), in epoch "
-                             f"{epoch + 1} of {cfg.epochs})")
-                if ended:
-                    save(epoch, batches_done)
+    def train_epochs(self) -> None:
+        """The training loop: an optimiser step per round, a log line every ``log_every`` steps, a checkpoint every
+        ``save_every`` steps, at each epoch's end and where training ends."""
+        with open(self.out / "log.jsonl", "a") if self.main else contextlib.nullcontext() as self.logf:
+            for epoch in range(self.start_epoch, self.cfg.epochs if not self.finished else self.start_epoch):
+                for batches_done, micro in self.rounds(epoch):
+                    if epoch == self.start_epoch and batches_done <= self.skip:
+                        continue
+                    loss, accs = self.optimiser_step(micro)
+                    if self.step % self.cfg.log_every == 0 or self.step == 1:
+                        self.log_step(epoch, loss, accs)
+                    if self.step % self.cfg.save_every == 0:
+                        self.save(epoch, batches_done)
+                    self.ended = self._end_reason(epoch)
+                    if self.ended:
+                        self.save(epoch, batches_done)
+                        break
+                if self.ended:
                     break
-            if ended:
-                break
-            skip = 0
-            save(epoch + 1, 0)
-    if main and not finished:
-        if ended is None:
-            ended = f"epochs done ({cfg.epochs} epoch(s), {step} step(s))"
-            if cfg.max_minutes:
-                ended += (f", {clock['now'] / 60:.1f} of the {cfg.max_minutes:g} minutes of --max-minutes used: "
-                          "raise --epochs to train longer")
-        log(f"training ended: {ended}")
-    accelerator.wait_for_everyone()  # no process leaves (and tears down) while another is still in a collective
-    weights = parallel.model_state()  # the last weights, on every process (a collective under FSDP)
-    if finished and selection is not None and step not in _scored_steps(out / "log.jsonl"):
-        score = selection.score(weights, step)  # a kill between the last checkpoint and its score: score it now
-        if score is not None:
-            with open(out / "log.jsonl", "a") as logf:
-                logf.write(json.dumps({"step": step, "holdout_acceptance_length": round(score, 4)}) + "\n")
-    replaced = False  # whether the weights to return are not the trained module's own
-    if cfg.select_by == "holdout":  # the main process chose; every process returns the chosen weights
-        changed = torch.tensor([0], device=accelerator.device)
-        if selection is not None:
-            message, chosen = selection.choose(step)
-            log(message)
+                self.skip = 0
+                self.save(epoch + 1, 0)
+
+    def optimiser_step(self, micro: list) -> tuple[torch.Tensor, list]:
+        """One optimiser step over this process's batches ``micro`` (gradients accumulated): the mean loss and the
+        batches' per-step accuracies."""
+        losses, accs = [], []
+        device = self.accelerator.device
+        for j, items in enumerate(micro):
+            batch = collate(items, self.t2d, self.lm_rows, self.cfg.prompt_loss_weight)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with self.parallel.no_sync(skip=j < len(micro) - 1):
+                with self.accelerator.autocast():
+                    loss, stats = self.parallel.model(batch["features"], batch["input_ids"], batch["target_logits"],
+                                                      batch["loss_mask"])
+                self.accelerator.backward(loss / len(micro))
+            losses.append(loss.detach().float())
+            accs.append(stats["acc"])
+            self.tokens_seen += int(batch["loss_mask"].sum())
+        loss = torch.stack(losses).mean()
+        self.parallel.clip_grad_norm_(self.cfg.grad_clip)
+        self.clock["now"] = self.elapsed()
+        opt = self.parallel.step_optimizer
+        opt.step()
+        self.sched.step()
+        opt.zero_grad(set_to_none=True)
+        self.step += 1
+        return loss, accs
+
+    def log_step(self, epoch: int, loss: torch.Tensor, accs: list) -> None:
+        """Log the step (every process takes part in the reductions; the main process writes)."""
+        tokens = self.tokens_seen
+        acc = torch.tensor(accs, dtype=torch.float64).mean(0)
+        accelerator = self.accelerator
+        if self.world > 1:  # every process logs at the same steps: a collective is safe here
+            tokens = int(accelerator.reduce(torch.tensor(self.tokens_seen, device=accelerator.device), "sum"))
+            loss = accelerator.reduce(loss, "mean")  # the step's loss over every process's batches
+            acc = accelerator.reduce(acc.to(accelerator.device), "mean").cpu()
+        rec = {
+            "step": self.step,
+            "epoch": epoch,
+            "loss": float(loss),
+            "acc": [round(float(a), 4) for a in acc],
+            "lr": self.sched.get_last_lr()[0],
+            "tokens": tokens,
+            "minutes": round((time.time() - self.t0) / 60, 2),
+        }
+        if self.main:
+            self._write_log(rec)
+            self.log(f"step {self.step}/{self.total_steps or '?'} loss {rec['loss']:.4f} acc {rec['acc']} "
+                     f"lr {rec['lr']:.2e} {rec['minutes']:.1f} min")
+
+    def _end_reason(self, epoch: int) -> str | None:
+        """Why training ends after this step (``--max-steps``, ``--max-minutes``), else ``None``."""
+        cfg = self.cfg
+        if cfg.max_steps and self.step >= cfg.max_steps:
+            return f"max steps reached (--max-steps {cfg.max_steps}, in epoch {epoch + 1} of {cfg.epochs})"
+        if cfg.max_minutes and self.clock["now"] > cfg.max_minutes * 60:
+            return (f"time budget reached (--max-minutes {cfg.max_minutes:g}, {self.step} step(s), in epoch "
+                    f"{epoch + 1} of {cfg.epochs})")
+        return None
+
+    def say_why_it_ended(self) -> None:
+        """Log what ended training (the main process, when it trained)."""
+        if not self.main or self.finished:
+            return
+        if self.ended is None:
+            self.ended = f"epochs done ({self.cfg.epochs} epoch(s), {self.step} step(s))"
+            if self.cfg.max_minutes:
+                self.ended += (f", {self.clock['now'] / 60:.1f} of the {self.cfg.max_minutes:g} minutes of "
+                               "--max-minutes used: raise --epochs to train longer")
+        self.log(f"training ended: {self.ended}")
+
+    def final_draft(self) -> Eagle3DraftModel:
+        """The draft to return: the selected weights (or the last ones) in a plain module, on CPU, in eval mode."""
+        self.accelerator.wait_for_everyone()  # no process leaves (and tears down) while another is in a collective
+        weights = self.parallel.model_state()  # the last weights, on every process (a collective under FSDP)
+        log_path = self.out / "log.jsonl"
+        if self.finished and self.selection is not None and self.step not in _scored_steps(log_path):
+            score = self.selection.score(weights, self.step)  # a kill between the last checkpoint and its score
+            if score is not None:
+                with open(log_path, "a") as logf:
+                    logf.write(json.dumps({"step": self.step, "holdout_acceptance_length": round(score, 4)}) + "\n")
+        weights, replaced = self._selected_weights(weights)
+        draft, parallel = self.draft, self.parallel
+        final = type(draft)(draft.config) if parallel.sharded else parallel.draft  # a plain module, not a sharded one
+        final.generation_config = draft.generation_config
+        if parallel.sharded or replaced:  # else the module holds them already
+            final.load_state_dict({k: v.detach().cpu() for k, v in weights.items()})
+        final = final.cpu().eval()
+        final._target_embedding = None
+        return final
+
+    def _selected_weights(self, weights: dict) -> tuple[dict, bool]:
+        """With ``select_by="holdout"``, the weights the main process chose, on every process: ``(weights, whether
+        they are not the trained module's own)``."""
+        if self.cfg.select_by != "holdout":
+            return weights, False
+        from accelerate.utils import broadcast
+
+        device = self.accelerator.device
+        changed = torch.tensor([0], device=device)
+        if self.selection is not None:
+            message, chosen = self.selection.choose(self.step)
+            self.log(message)
             if chosen is not None:
                 weights, changed[0] = chosen, 1
-        replaced = bool(int(broadcast(changed)[0]) if world > 1 else int(changed[0]))
-        if world > 1 and replaced:
-            weights = {k: v.to(accelerator.device).contiguous() for k, v in weights.items()}
+        replaced = bool(int(broadcast(changed)[0]) if self.world > 1 else int(changed[0]))
+        if self.world > 1 and replaced:
+            weights = {k: v.to(device).contiguous() for k, v in weights.items()}
             for tensor in weights.values():
                 torch.distributed.broadcast(tensor, src=0)
-    final = type(draft)(draft.config) if parallel.sharded else unwrapped  # a plain module, not a sharded one
-    final.generation_config = draft.generation_config
-    if parallel.sharded or replaced:  # else the module holds them already
-        final.load_state_dict({k: v.detach().cpu() for k, v in weights.items()})
-    final = final.cpu().eval()
-    final._target_embedding = None
-    return final
+        return weights, replaced
 
 
 def _finished(step: int, epoch: int, seconds: float, cfg: TrainConfig) -> tuple[str, str] | None:

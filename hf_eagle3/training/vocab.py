@@ -121,3 +121,26 @@ def remap_draft_vocab(draft, d2t: torch.Tensor, t2d: torch.Tensor, target_lm_hea
         draft.t2d = t2d.to(draft.t2d.device)
     draft.config.draft_vocab_size = int(d2t.shape[0])
     return {"kept": kept, "new": len(new_used) - kept, "mapped": mapped}
+
+
+def rebuild_draft_vocab(draft, counts: Counter, draft_vocab_size: int, target_vocab_size: int,
+                        target_lm_head: torch.Tensor) -> str:
+    """Rebuild a trained draft's vocabulary: the ``draft_vocab_size`` most frequent tokens of ``counts``
+    (:func:`build_vocab_mapping`), keeping the trained rows of the tokens it already had (:func:`remap_draft_vocab`).
+
+    Args:
+        draft: the trained draft (changed in place).
+        counts: response token frequencies (target ids).
+        draft_vocab_size: size of the new draft vocabulary.
+        target_vocab_size: size of the target vocabulary.
+        target_lm_head: the target's ``lm_head`` weight ``[V, H]`` (rows of the new tokens).
+
+    Returns:
+        One line saying how the coverage of ``counts`` changed and where the rows came from.
+    """
+    before = coverage(counts, draft.d2t.cpu())
+    d2t, t2d = build_vocab_mapping(counts, draft_vocab_size, target_vocab_size)
+    rows = remap_draft_vocab(draft, d2t, t2d, target_lm_head)
+    return (f"draft vocab rebuilt from {sum(counts.values())} response tokens: covers {before:.4f} -> "
+            f"{coverage(counts, d2t):.4f} of them; {rows['kept']} rows kept, {rows['new']} from the target's"
+            + (" (through the map fitted on the kept rows)" if rows["mapped"] else ""))

@@ -385,7 +385,7 @@ def test_static_sliding_cache_past_its_window_is_refused_before_work():
 def test_chain_with_the_compiled_decode_forward(monkeypatch):
     """Transformers compiles the target's decode forward on a static cache: same output, the compiled call taken.
     (The ``eager`` backend traces the forward with dynamo without generating code, to keep the test short; the
-    benchmark ``examples/bench_transformers_paths.py`` times inductor.)"""
+    benchmark ``dev/bench_transformers_paths.py`` times inductor.)"""
     from transformers import CompileConfig
 
     target, draft = cached_target("llama"), cached_draft("llama")

@@ -10,7 +10,7 @@ MT-bench prompts (turn 1, chat template), checks that both outputs are identical
 
 Example::
 
-    OMP_NUM_THREADS=1 python examples/bench_offload.py --dataset mt_bench.jsonl \\
+    OMP_NUM_THREADS=1 python dev/bench_offload.py --dataset mt_bench.jsonl \\
         --num-prompts 4 --max-new-tokens 64 --in-memory --json offload.json
 
 ``mt_bench.jsonl`` is FastChat's MT-bench ``question.jsonl``; without ``--dataset`` built-in prompts are used.
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         draft.generation_config.num_assistant_tokens = args.num_assistant_tokens
     results = {
         "date": datetime.date.today().isoformat(),
-        "command": "OMP_NUM_THREADS={} python examples/bench_offload.py {}".format(
+        "command": "OMP_NUM_THREADS={} python dev/bench_offload.py {}".format(
             os.environ.get("OMP_NUM_THREADS", "?"), " ".join(sys.argv[1:] if argv is None else argv)
         ),
         "threads": torch.get_num_threads(),

@@ -8,7 +8,7 @@ timed over the same prompts, interleaved round-robin, and reported as a ratio to
 text is checked identical to plain ``generate``'s. Also prints the largest tensor bytes the target's outputs hand to
 the drafter per forward (the protocol's cost in memory against the hooks').
 
-    python examples/bench_transformers_paths.py --prompts 6 --new-tokens 96 --repeats 3 --json-out bench_out/paths.json
+    python dev/bench_transformers_paths.py --prompts 6 --new-tokens 96 --repeats 3 --json-out bench_out/paths.json
 
 Uses SmolLM2-135M-Instruct (from the PyPI GGUF) and the draft shipped in ``examples/drafts``; fp32 by default.
 """
