@@ -61,6 +61,9 @@ from .tree_drafter import DraftTree, candidate_ranking
 from .transfers import to_device
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
+# Graphs torch may compile for the target's forward (its default, 8, is below one batch size's widths plus the plain
+# decode step and a chain's lengths, which share that function): 64 covers the widths of several batch sizes.
+GRAPHS_PER_FORWARD = 64
 _COMPILED_SHAPES = weakref.WeakKeyDictionary()  # target -> the (compiled forward, rows, width) shapes run so far
 
 
@@ -246,6 +249,8 @@ class _Loop:
         self.static = is_static_cache(self.cache)
         self.forward, compiled = round_forward(model, model_kwargs, generation_config) if self.static else (model, False)
         self.shapes = _COMPILED_SHAPES.setdefault(model, set()) if compiled else None  # (forward, rows, width) compiled
+        if compiled:  # one graph per (rows, width): room for them beside plain decoding's and Transformers' chains'
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_FORWARD)
         self.compiling = False  # the latest round's forward compiled a graph (its time is the compiler's)
         if compiled and not isinstance(self.capture, Eagle3OutputFeatures):
             # Hooks cannot tell threads apart inside a compiled forward: every forward of the call returns its

@@ -145,13 +145,21 @@ def test_ragged_rows_finish_apart_and_stay_as_padding(settings, monkeypatch):
 
 
 def test_compiled_rounds_have_no_graph_break_and_one_graph_per_bucket():
-    """256 new tokens of tree ``"auto"`` (sizes change every round), and a batch of 3, compiled: no graph break,
-    and a graph for each (bucket, batch size) used, no more; the output equals plain ``generate``'s."""
+    """256 new tokens of tree ``"auto"`` (sizes change every round), and a batch of 3, compiled after plain decoding
+    and a chain compiled theirs: no graph break, a graph for each (bucket, batch size) used and no more (past torch's
+    default limit of 8 graphs for the forward, which ``fullgraph=True`` turns into an error), the output equals plain
+    ``generate``'s."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # graphs of other tests' models count towards dynamo's limit of graphs per function
+    torch._dynamo.config.recompile_limit = 8  # torch's default (a compiled round raises it)
     target, draft = cached_target("llama"), cached_draft("llama")
     ids = random_prompt(6, seed=3)
+    # Plain decoding and Transformers' chain compile their graphs of the same forward first, as in a user's process.
+    reference = target.generate(ids, do_sample=False, max_new_tokens=24)
+    for kwargs in ({}, dict(assistant_model=draft, **CHAIN)):
+        out = target.generate(ids, do_sample=False, max_new_tokens=24, compile_config=compiled(), **STATIC, **kwargs)
+        assert torch.equal(out, reference)
     for batch, shape, new in ((ids, TREES[1], 256), (torch.cat([ids, random_prompt(6, seed=5), ids]), TREES[0], 48)):
         reference = target.generate(batch, do_sample=False, max_new_tokens=new)
         counters.clear()
