@@ -16,6 +16,39 @@ from .transformers_compat import is_sliding_layer as sliding_layer
 GROWTH = 1.5  # a preallocated layer that must hold more grows its buffers by this factor (at least)
 
 
+def move_kept(buffer: torch.Tensor, keep: torch.LongTensor | None, start: int, count: int) -> int:
+    """
+    In a pool buffer ``[2, layers, B, kv_heads, capacity, D]``, move the entries at ``start + keep`` (every row alike)
+    to ``start .. start + count`` with one gather and one copy (``keep`` ``None``: they are there already); returns
+    ``start + count``.
+
+    Args:
+        buffer (`torch.Tensor`): the pool's buffer.
+        keep (`torch.LongTensor` [count] or `None`): indices from ``start``, in order.
+        start (`int`): the first entry rewritten.
+        count (`int`): entries kept.
+    """
+    if keep is not None:
+        buffer[..., start : start + count, :] = buffer.index_select(-2, keep.to(buffer.device) + start)
+    return start + count
+
+
+def move_rows(buffer: torch.Tensor, index: torch.LongTensor, start: int) -> int:
+    """
+    In a pool buffer ``[2, layers, B, kv_heads, capacity, D]``, replace each row b's entries from ``start`` on by its
+    entries at ``start + index[b]`` with one gather and one copy; returns the end of the kept entries.
+
+    Args:
+        buffer (`torch.Tensor`): the pool's buffer.
+        index (`torch.LongTensor` [B, A]): per row, the entries to keep (relative to ``start``), in order.
+        start (`int`): the first entry rewritten.
+    """
+    width, shape = index.shape[1], buffer.shape
+    idx = (index.to(buffer.device) + start)[None, None, :, None, :, None]
+    buffer[..., start : start + width, :] = buffer.gather(4, idx.expand(shape[0], shape[1], -1, shape[3], -1, shape[5]))
+    return start + width
+
+
 class KVPool:
     r"""
     One buffer holding the keys and values of every pooled :class:`PreallocatedLayer` of a cache, so that a round's
@@ -88,10 +121,7 @@ class KVPool:
             num_new (`int`): tokens of the latest forward.
         """
         start = self.length() - num_new
-        end = start + count
-        if keep is not None:
-            index = keep.to(self.buffer.device) + start
-            self.buffer[..., start:end, :] = self.buffer.index_select(-2, index)
+        end = move_kept(self.buffer, keep, start, count)
         for layer in self.layers:
             layer.bind(end)
 
@@ -103,13 +133,9 @@ class KVPool:
             index (`torch.LongTensor` [B, A]): per row, the entries to keep (relative to ``start``), in order.
             start (`int`): the first entry rewritten.
         """
-        width = index.shape[1]
-        shape = self.buffer.shape
-        idx = (index.to(self.buffer.device) + start)[None, None, :, None, :, None]
-        idx = idx.expand(shape[0], shape[1], -1, shape[3], -1, shape[5])
-        self.buffer[..., start : start + width, :] = self.buffer.gather(4, idx)
+        end = move_rows(self.buffer, index, start)
         for layer in self.layers:
-            layer.bind(start + width)
+            layer.bind(end)
 
     def keep_rows(self, rows: torch.LongTensor) -> None:
         """
@@ -695,11 +721,7 @@ class StaticPool:
             count (`int`): entries kept.
             num_new (`int`): tokens of the latest forward.
         """
-        start = self.length - num_new
-        if keep is not None:
-            index = keep.to(self.buffer.device) + start
-            self.buffer[..., start : start + count, :] = self.buffer.index_select(-2, index)
-        self.set_length(start + count)
+        self.set_length(move_kept(self.buffer, keep, self.length - num_new, count))
 
     def gather_rows(self, index: torch.LongTensor, start: int) -> None:
         """
@@ -710,12 +732,7 @@ class StaticPool:
             index (`torch.LongTensor` [B, A]): per row, the entries to keep (relative to ``start``), in order.
             start (`int`): the first entry rewritten.
         """
-        width = index.shape[1]
-        shape = self.buffer.shape
-        idx = (index.to(self.buffer.device) + start)[None, None, :, None, :, None]
-        idx = idx.expand(shape[0], shape[1], -1, shape[3], -1, shape[5])
-        self.buffer[..., start : start + width, :] = self.buffer.gather(4, idx)
-        self.set_length(start + width)
+        self.set_length(move_rows(self.buffer, index, start))
 
 
 def static_tree_mask(valid: torch.BoolTensor, ancestors: list, nodes: int, capacity: int, dtype):
