@@ -9,9 +9,11 @@ Stages, in order of importance (each is skipped, and says so, when the budget le
 2. ``oracle_bf16``: bfloat16, a random-weight target of Llama-3.1-8B's shape (``decisive``: its greedy
    continuation survives bfloat16 rounding, see :func:`hf_eagle3.bench.synthetic.synthetic_target`) with a draft of the published draft's
    shape (draft vocabulary 32k), the oracle's speed-ups for chains k = 1..7, ``"auto"`` and three trees.
-3. ``batched_bf16``: the same target in bfloat16 on batches of 1, 2, 4 and 8 rows with a random draft (nothing is
+3. ``static_bf16``: the oracle stage on a static cache with the target's forward compiled (CUDA graphs), against plain
+   ``generate`` compiled the same way (Transformers' own fast path): chains k = 3 and 5, ``"auto"``, two trees.
+4. ``batched_bf16``: the same target in bfloat16 on batches of 1, 2, 4 and 8 rows with a random draft (nothing is
    accepted): the decoding loop's cost per round against plain batched ``generate``.
-4. ``compiled_bf16``: the oracle stage's target and draft, chains k = 3 and 5 and a tree, with the draft's steps eager,
+5. ``compiled_bf16``: the oracle stage's target and draft, chains k = 3 and 5 and a tree, with the draft's steps eager,
    under ``torch.compile`` with dynamic shapes (``CompileConfig(mode="default")``) and as static steps captured as
    CUDA graphs (``CompileConfig(mode="reduce-overhead")``), side by side (a short call compiles / captures first).
 
@@ -154,7 +156,7 @@ def oracle_bf16(args):
 
 
 def batched_bf16(args):
-    """Stage 3: batches of 1-8 rows in bfloat16 with a random draft (the loop's cost per round), one batch per size."""
+    """Stage 4: batches of 1-8 rows in bfloat16 with a random draft (the loop's cost per round), one batch per size."""
     shape = "tiny" if args.small else "llama-3.1-8b"
     target = synthetic_target(shape, dtype=torch.bfloat16, device=args.device, decisive=True)
     vocab = target.config.vocab_size
@@ -179,8 +181,30 @@ def batched_bf16(args):
     return report, format_batched_markdown(report)
 
 
+def static_bf16(args):
+    """Stage 3: the oracle's stage on a static cache with the target's forward compiled (``reduce-overhead``: CUDA
+    graphs), plain ``generate`` compiled the same way as the baseline; chains k = 3 and 5, ``"auto"``, a fixed tree
+    and a tree of ``"auto"`` size (every strategy's first call, which compiles, untimed)."""
+    from transformers import CompileConfig
+
+    shape = "tiny" if args.small else "llama-3.1-8b"
+    target = synthetic_target(shape, dtype=torch.bfloat16, device=args.device, decisive=True)
+    vocab = target.config.vocab_size
+    draft = random_draft_for(target, draft_vocab_size=min(32000, vocab))
+    prompts = random_prompts(vocab, [256] * (1 if args.small else args.oracle_prompts))
+    config = CompileConfig(mode="reduce-overhead" if args.device.startswith("cuda") else "default")
+    config._compile_all_devices = True  # a CPU (the small run): Transformers compiles only on accelerators otherwise
+    with torch.no_grad():
+        report = run_oracle_bench(target, draft, prompts, parse_profile("llama3-8b"), ks=(3, 5),
+                                  max_new_tokens=16 if args.small else args.oracle_new_tokens,
+                                  tree_shapes=((4, 4, 8), (4, 5, "auto")),
+                                  generate_kwargs=dict(cache_implementation="static", compile_config=config))
+    check.identical &= report["identical"]
+    return report, "Plain `generate` below: static cache, compiled forward.\n\n" + format_oracle_markdown(report)
+
+
 def compiled_bf16(args):
-    """Stage 4: eager against compiled drafting steps (dynamic, and static in CUDA graphs) under the oracle, bfloat16,
+    """Stage 5: eager against compiled drafting steps (dynamic, and static in CUDA graphs) under the oracle, bfloat16,
     the same prompts."""
     from transformers import CompileConfig
 
@@ -219,12 +243,12 @@ def main(argv=None) -> int:
     parser.add_argument("--ks", default="1,2,3,4,5,6,7", help="chain lengths of the bf16 oracle stage")
     parser.add_argument("--batch-sizes", default="1,2,4,8", help="batch sizes of the bf16 batched stage")
     parser.add_argument("--batch-new-tokens", type=int, default=48, help="new tokens per row, batched stage")
-    parser.add_argument("--stages", default="identity,oracle_bf16,batched_bf16,compiled_bf16")
+    parser.add_argument("--stages", default="identity,oracle_bf16,static_bf16,batched_bf16,compiled_bf16")
     args = parser.parse_args(argv)
     check = Check(args)
-    needs = {"identity": 0, "oracle_bf16": 90, "batched_bf16": 40, "compiled_bf16": 120}
-    bodies = {"identity": identity, "oracle_bf16": oracle_bf16, "batched_bf16": batched_bf16,
-              "compiled_bf16": compiled_bf16}
+    needs = {"identity": 0, "oracle_bf16": 90, "static_bf16": 150, "batched_bf16": 40, "compiled_bf16": 120}
+    bodies = {"identity": identity, "oracle_bf16": oracle_bf16, "static_bf16": static_bf16,
+              "batched_bf16": batched_bf16, "compiled_bf16": compiled_bf16}
     for name in args.stages.split(","):
         check.stage(name, needs[name] if not args.small else 0, lambda: bodies[name](args))
     print((check.out / "gpu_check.md").read_text())

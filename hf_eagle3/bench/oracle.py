@@ -129,7 +129,8 @@ def round_bound(costs, profile, k: int | None = None, tree: tuple | None = None,
 
 
 def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6, 7), max_new_tokens: int = 64,
-                     auto: bool = True, tree_shapes=TREE_SHAPES, seed: int = 0, progress: bool = True) -> dict:
+                     auto: bool = True, tree_shapes=TREE_SHAPES, seed: int = 0, progress: bool = True,
+                     generate_kwargs: dict | None = None) -> dict:
     """
     Time plain greedy ``generate`` and EAGLE-3 chains under the oracle for each ``k`` (and ``"auto"``), per prompt in
     turn, and compare with the cost model's bound.
@@ -146,9 +147,12 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
             :class:`OracleTreeDrafter`).
         seed (`int`): seed of the acceptance draws.
         progress (`bool`): print the phases and a line per prompt on stderr.
+        generate_kwargs (`dict`, *optional*): passed to every ``generate`` call, plain and EAGLE-3 alike (e.g.
+            ``cache_implementation="static"`` and a ``compile_config``: the compiled target as the baseline).
 
     Every time is of the decoding after the prompt's forward (which plain and EAGLE-3 share): speed-ups are of that
-    part, and a round is a target forward after the prefill.
+    part, and a round is a target forward after the prefill. Each strategy runs once on a short prompt before any
+    timing (its first-call costs, compiles included, are not timed).
 
     Returns:
         The report: ``settings``, ``costs``, ``rows`` (per strategy: speed-up, bound, acceptance, per-round times in
@@ -156,22 +160,25 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
     """
     device = target.device
     draft.bind_target(target)
-    warm = prompts[0][:, :16].to(device)
+    extra = dict(generate_kwargs or {})
+    # The first calls (a static cache: the first prompt's own shapes, so that nothing compiles while timed).
+    warm, warm_new = (prompts[0].to(device), max_new_tokens) if extra else (prompts[0][:, :16].to(device), 8)
     if progress:
         print("oracle bench: warming up and measuring the forwards' costs ...", file=sys.stderr, flush=True)
-    target.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, do_sample=False)
-    costs = measure_round_costs(target, draft, prompts[0].to(device))
     strategies = _oracle_strategies(ks, auto, tree_shapes)
-    totals = {name: {"seconds": 0.0, "tokens": 0, "draft": 0.0, "verify": 0.0, "rounds": 0, "stats": None,
-                     "tree_depths": []}
-              for name in ["plain"] + [strategy[0] for strategy in strategies]}
+    reference = _time_plain(target, warm, warm_new, _empty_total(), **extra)
+    for name, kwargs, _, shape in strategies:  # each strategy's first call, untimed
+        _time_oracle(target, draft, warm, reference[0].tolist(), profile, seed, kwargs, shape, warm_new,
+                     _empty_total(), **extra)
+    costs = measure_round_costs(target, draft, prompts[0].to(device))
+    totals = {name: _empty_total() for name in ["plain"] + [strategy[0] for strategy in strategies]}
     identical = True
     for index, ids in enumerate(prompts):
         ids = ids.to(device)
-        ref = _time_plain(target, ids, max_new_tokens, totals["plain"])
+        ref = _time_plain(target, ids, max_new_tokens, totals["plain"], **extra)
         for name, kwargs, _, shape in strategies:
             out = _time_oracle(target, draft, ids, ref[0].tolist(), profile, seed + index, kwargs, shape,
-                               max_new_tokens, totals[name])
+                               max_new_tokens, totals[name], **extra)
             identical &= torch.equal(out, ref)
         if progress:
             print(f"oracle bench: prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
@@ -182,6 +189,7 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
         "settings": {
             "profile": list(profile), "ks": list(ks), "tree_shapes": [list(t) for t in tree_shapes],
             "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
+            "generate_kwargs": {k: str(v) for k, v in extra.items()},
             "prompt_tokens": [int(p.shape[1]) for p in prompts],
             "target_parameters": sum(p.numel() for p in target.parameters()),
             **environment_record(target, draft_path=getattr(draft, "name_or_path", None)),
@@ -191,6 +199,11 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
         "identical": identical,
         "limited_by": limiting_resource(costs, target, share),
     }
+
+
+def _empty_total() -> dict:
+    """A strategy's sums before its first timed call."""
+    return {"seconds": 0.0, "tokens": 0, "draft": 0.0, "verify": 0.0, "rounds": 0, "stats": None, "tree_depths": []}
 
 
 def _oracle_strategies(ks, auto: bool, tree_shapes) -> list[tuple]:
@@ -215,22 +228,23 @@ def _add_call(total: dict, seconds: float, tokens: int, timer: _ForwardTimer, fo
     total["rounds"] += forwards - 1
 
 
-def _time_plain(target, ids, max_new_tokens: int, total: dict) -> torch.LongTensor:
-    """Plain greedy ``generate`` on ``ids``, timed into ``total``: its output, the oracle's reference."""
+def _time_plain(target, ids, max_new_tokens: int, total: dict, **extra) -> torch.LongTensor:
+    """Plain greedy ``generate`` on ``ids`` (with ``extra`` kwargs), timed into ``total``: its output, the oracle's
+    reference."""
     with _ForwardTimer(target) as timer:
         synchronize(target)
         start = time.perf_counter()
         ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                              do_sample=False)
+                              do_sample=False, **extra)
         synchronize(target)
     _add_call(total, time.perf_counter() - start, ref.shape[1] - ids.shape[1], timer, len(timer.times))
     return ref
 
 
 def _time_oracle(target, draft, ids, reference: list, profile, seed: int, kwargs: dict, shape, max_new_tokens: int,
-                 total: dict) -> torch.LongTensor:
-    """One EAGLE-3 call whose drafter proposes ``reference`` (accepted as ``profile`` draws with ``seed``), timed
-    into ``total`` (with the drafter's seconds and tree depths): its output."""
+                 total: dict, **extra) -> torch.LongTensor:
+    """One EAGLE-3 call (with ``extra`` kwargs) whose drafter proposes ``reference`` (accepted as ``profile`` draws
+    with ``seed``), timed into ``total`` (with the drafter's seconds and tree depths): its output."""
     created = []
     base = bind_oracle(OracleCandidateGenerator if shape is None else OracleTreeDrafter, reference, profile, seed=seed)
 
@@ -245,7 +259,7 @@ def _time_oracle(target, draft, ids, reference: list, profile, seed: int, kwargs
         synchronize(target)
         start = time.perf_counter()
         out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                              do_sample=False, assistant_model=draft, **kwargs)
+                              do_sample=False, assistant_model=draft, **kwargs, **extra)
         synchronize(target)
     stats = draft.last_stats
     _add_call(total, time.perf_counter() - start, out.shape[1] - ids.shape[1], timer, stats.num_target_forwards)
