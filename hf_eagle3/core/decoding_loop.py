@@ -268,7 +268,8 @@ class _Loop:
         self.budget = budget = budget_for(  # how much each round drafts
             call, model, input_ids, "compiled" if compiled else "static" if self.static else "eager")
         if self.static:  # room for the longest row, one round's padded nodes and, for a batch, some holes
-            columns = generation_config.max_length + node_bucket(budget.most + 1) + (0 if self.single else COMPACT_SLACK)
+            columns = generation_config.max_length + node_bucket(budget.most + 1, budget.most + 1) + (
+                0 if self.single else COMPACT_SLACK)
             self.cache = model_kwargs[self.cache_key] = static_cache_for(model, self.cache, input_ids.shape[0], columns)
         self.pool = None  # a static cache's layers in one buffer (after the prefill)
         self.attention_mask = model_kwargs.get("attention_mask")
@@ -422,7 +423,7 @@ class _Loop:
     def _verify_static(self, trees: list, nodes: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """:meth:`verify` on a static cache: every row of the call (a finished row's nodes see only themselves), the
         nodes padded to a bucket's width, the mask over the cache's capacity; compacted only when out of room."""
-        width, pool = node_bucket(nodes), self.pool
+        width, pool = node_bucket(nodes, self.budget.most + 1), self.pool
         if self.valid.shape[1] + width > pool.capacity:  # a batch whose holes fill the capacity
             longest = max(len(row.ids) - 1 - self.pads[row.index] for row in self.rows)
             order = compaction_order(self.valid, longest)

@@ -591,7 +591,7 @@ def batch_tree_mask(cache, valid: torch.BoolTensor, trees: list, nodes: int, dty
 
 
 # ------------------------------------------------------------------------------------------------ static caches
-NODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a static round's forward is padded to one of these widths (one graph each)
+NODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # widths a static round is padded to (one graph each), beside the widest round
 
 
 def is_static_cache(cache) -> bool:
@@ -625,15 +625,16 @@ def check_static_cache(cache, loop: str) -> None:
         )
 
 
-def node_bucket(nodes: int) -> int:
+def node_bucket(nodes: int, widest: int) -> int:
     """
-    The width a static round's forward is padded to: the least of :data:`NODE_BUCKETS` holding ``nodes`` (one compiled
-    graph per width used).
+    The width a static round's forward is padded to: the least of :data:`NODE_BUCKETS` and the call's widest round
+    holding ``nodes`` (one compiled graph per width used; a fixed chain or tree fills its own width, unpadded).
 
     Args:
         nodes (`int`): tokens per row the round verifies (the root included).
+        widest (`int`): the most tokens per row a round of the call verifies.
     """
-    return next((b for b in NODE_BUCKETS if b >= nodes), nodes)
+    return min((b for b in (*NODE_BUCKETS, widest) if b >= nodes), default=nodes)
 
 
 def static_cache_for(model, cache, rows: int, columns: int):
