@@ -22,8 +22,9 @@ __version__ = "0.2.0"
 
 # The public names, by the module that defines them.
 _EXPORTS = {
-    "DraftTree": ".core.tree_drafter",
-    "Eagle3BatchTreeDrafter": ".core.batch_drafter",
+    "DraftTree": ".core.tree_candidates",
+    "Eagle3Drafter": ".core.drafter",
+    "Eagle3BatchTreeDrafter": ".core.drafter",  # the name before 0.2.0, kept for one release
     "Eagle3CandidateGenerator": ".core.candidate_generator",
     "Eagle3Config": ".core.configuration_eagle3",
     "Eagle3D2TLogitsProcessor": ".core.logits_process",

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from hf_eagle3.core.batch_drafter import Eagle3BatchTreeDrafter
+from hf_eagle3.core.drafter import Eagle3Drafter
 from hf_eagle3.core.candidate_generator import Eagle3CandidateGenerator
 from hf_eagle3.core.cost_model import synchronize
 
@@ -109,9 +109,9 @@ class OracleCandidateGenerator(Eagle3CandidateGenerator):
         return token, processed
 
 
-class OracleTreeDrafter(Eagle3BatchTreeDrafter):
+class OracleTreeDrafter(Eagle3Drafter):
     """
-    :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter` whose trees carry the target's greedy continuation
+    :class:`~hf_eagle3.core.drafter.Eagle3Drafter` whose trees carry the target's greedy continuation
     along one path (to the tree's first deepest node), right for a depth drawn each round from ``profile``; every
     other node is wrong. So a tree accepts what a chain with the same profile accepts, at the tree's own cost (its
     drafting and its verification of every node): the rows show what the tree machinery costs, not what a real tree

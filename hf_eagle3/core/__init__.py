@@ -14,7 +14,7 @@ The Transformers integration
     ``stats``.
 Drafting
     ``draft_state``, ``draft_steps`` (the forwards a round repeats, compiled on request), ``candidate_generator``
-    (chains in Transformers' loop), ``tree_drafter`` (candidates and trees), ``batch_drafter``
+    (chains in Transformers' loop), ``tree_candidates`` (candidates and trees), ``drafter``
     (every row's tree, one draft forward per step), ``logits_process`` (draft vocabulary to target vocabulary).
 Verifying
     ``acceptance``, ``target_cache``, ``stopping`` (stop checks on the host).

@@ -1,6 +1,6 @@
 """The acceptance step of a verification round, as pure functions: which drafted nodes the target accepts, which token
-it adds, and how many of those tokens stay once the length limit and EOS are applied. Shared by the tree loop
-(batch 1) and the batched loop (chains and trees).
+it adds, and how many of those tokens stay once the length limit and EOS are applied, for the package's decoding
+loop (:mod:`~hf_eagle3.core.decoding_loop`: trees at every batch size, chains for batches).
 """
 
 from __future__ import annotations

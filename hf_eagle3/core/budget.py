@@ -73,7 +73,7 @@ class RoundOutcome:
         feed_seconds (`float`): the feed.
         levels (`int`): draft forwards, the feed included (the levels drafted).
         ranking (*optional*): ``"tree_auto"``: the read-back candidates' ranking
-            (``tree_drafter.candidate_ranking``).
+            (``tree_candidates.candidate_ranking``).
         batch (`BatchRows`): the rows the next round drafts for.
     """
 

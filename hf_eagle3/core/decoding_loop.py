@@ -6,7 +6,7 @@ Transformers' loop (:class:`~hf_eagle3.core.candidate_generator.Eagle3CandidateG
 (:func:`~hf_eagle3.core.generate_hook.route_assisted_decoding`) with the arguments Transformers prepared (logits
 processors, stopping criteria, streamer, cache). Each round is a straight line of named steps of :class:`_Loop`:
 **draft** (the draft consumes every row's verified features in one forward, then drafts every row's chain or tree, one
-forward per level: :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`), **verify** (one target forward of
+forward per level: :class:`~hf_eagle3.core.drafter.Eagle3Drafter`), **verify** (one target forward of
 every row's nodes), **accept** (the round's one read-back, then :func:`~hf_eagle3.core.acceptance.accept_row` per row),
 **commit** (the target cache keeps each row's accepted path) and **retire** (finished rows leave the batch), then, for
 ``"auto"``, **observe**.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import accept_row, read_back, round_planes
-from .batch_drafter import Eagle3BatchTreeDrafter, take_positions
+from .drafter import Eagle3Drafter, take_positions
 from .batch_tail import BatchRows
 from .budget import RoundOutcome, RoundPlan, budget_for
 from .cost_model import Stopwatch
@@ -57,7 +57,7 @@ from .target_cache import (
     tree_attention_mask,
 )
 from .transformers_compat import eos_token_ids, round_forward
-from .tree_drafter import DraftTree, candidate_ranking
+from .tree_candidates import DraftTree, candidate_ranking
 from .transfers import to_device
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
@@ -172,7 +172,7 @@ def eagle3_decoding(
         model_kwargs (`dict`): the prepared model kwargs (``cache``, ``attention_mask``, ``position_ids``, ...).
         streamer (`BaseStreamer`, *optional*): receives each round's new tokens (one row only: Transformers'
             streamers take one sequence).
-        drafter_class (`type`, *optional*): the drafter (default :class:`Eagle3BatchTreeDrafter`), built as
+        drafter_class (`type`, *optional*): the drafter (default :class:`Eagle3Drafter`), built as
             ``drafter_class(draft, rows, capacity)``.
 
     Returns:
@@ -186,7 +186,7 @@ def eagle3_decoding(
 
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("Transformers' streamers take one sequence; stream with a batch of one.")
-    loop = _Loop(model, call, drafter_class or Eagle3BatchTreeDrafter, input_ids, logits_processor,
+    loop = _Loop(model, call, drafter_class or Eagle3Drafter, input_ids, logits_processor,
                  stopping_criteria, generation_config, model_kwargs, streamer)
     loop.prefill()
     while loop.rows:

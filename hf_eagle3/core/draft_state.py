@@ -1,5 +1,5 @@
 """What the draft knows of the verified sequence during a batch-1 chain ``generate`` call (the package's own loop keeps
-its rows in :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`).
+its rows in :class:`~hf_eagle3.core.drafter.Eagle3Drafter`).
 
 The draft consumes the target's features of every verified position, paired with the token that follows it. After
 each target forward the verified part of its features is taken from the capture (:meth:`Eagle3DraftState.collect`)

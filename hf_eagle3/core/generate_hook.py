@@ -66,7 +66,7 @@ def use_drafting(chain=None, drafter=None, features=None):
     """
     Within the block, EAGLE-3 calls of ``generate`` draft with ``chain`` (a subclass of
     :class:`Eagle3CandidateGenerator` taking the same arguments, for batch-1 chains) and/or ``drafter`` (a subclass
-    of :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter`, for the package's loop: trees, and chains in
+    of :class:`~hf_eagle3.core.drafter.Eagle3Drafter`, for the package's loop: trees, and chains in
     batches) instead of the defaults: how
     benchmarks swap in instrumented drafting (e.g. ``hf-eagle3 bench --oracle``) without another code path.
     ``features="hooks"`` makes every call take the target's features from forward hooks even where the target's

@@ -224,7 +224,7 @@ class TreeSizeChooser:
 
         Args:
             frontier_mass (`list[float]`): per level drafted last round, the path probability mass of its ``top_k`` best
-                candidates (``tree_drafter.candidate_ranking``; zeros past the levels drafted).
+                candidates (``tree_candidates.candidate_ranking``; zeros past the levels drafted).
             most (`int`): ``tree_depth``.
         """
         if not self.rounds or not self.draft_forwards or self.round_seconds <= 0:
@@ -245,7 +245,7 @@ class TreeSizeChooser:
         Record a round that verified a tree and size the next one from its candidates (after the round's read-back).
 
         Args:
-            ranking (`list`): the read-back ``tree_drafter.candidate_ranking``: sorted path probabilities, then
+            ranking (`list`): the read-back ``tree_candidates.candidate_ranking``: sorted path probabilities, then
                 frontier masses per level.
             total (`int`): drafted nodes of the round's tree (per row).
             accepted (`list[int]`): drafted tokens accepted, per row of the round.

@@ -18,7 +18,7 @@ from hf_eagle3.core.acceptance import (
     walk_tree,
 )
 from hf_eagle3.core.target_cache import batch_tree_mask, compact, gather_entries, keep_rows
-from hf_eagle3.core.tree_drafter import DraftTree
+from hf_eagle3.core.tree_candidates import DraftTree
 
 V = 8
 

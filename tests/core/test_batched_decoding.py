@@ -29,7 +29,7 @@ from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-from hf_eagle3 import Eagle3BatchTreeDrafter
+from hf_eagle3 import Eagle3Drafter
 from hf_eagle3.core import decoding_loop, draft_length_policy, generate_hook
 from hf_eagle3.core.generate_hook import _ACTIVE, use_drafting
 
@@ -77,7 +77,7 @@ def no_hooks_left(target) -> bool:
     return _ACTIVE.get() is None and all(not layer._forward_pre_hooks for layer in target.model.layers)
 
 
-class OracleDrafter(Eagle3BatchTreeDrafter):
+class OracleDrafter(Eagle3Drafter):
     """Drafts each row's reference continuation, right for a number of tokens that varies from round to round, then
     wrong (the draft itself is still fed every verified position, so its cache bookkeeping runs as usual)."""
 

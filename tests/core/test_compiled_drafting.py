@@ -22,7 +22,8 @@ from conftest import random_prompt, tiny_draft, tiny_target
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
-from hf_eagle3.core import batch_drafter, candidate_generator, draft_length_policy, tree_policy
+from hf_eagle3.core import candidate_generator, draft_length_policy, tree_policy
+from hf_eagle3.core import drafter as drafter_module
 from hf_eagle3.core.draft_cache import Eagle3RowCache
 from hf_eagle3.core.draft_state import Eagle3DraftState
 from hf_eagle3.core.draft_steps import batch_tree_level, chain_step
@@ -65,7 +66,7 @@ def proposals(monkeypatch):
         monkeypatch.setattr(owner, name, wrapped)
 
     record(candidate_generator.Eagle3CandidateGenerator, "get_candidates", lambda r: r[0].tolist())
-    record(batch_drafter.Eagle3BatchTreeDrafter, "select",
+    record(drafter_module.Eagle3Drafter, "select",
            lambda trees: [(t.tokens.tolist(), t.parents.tolist()) for t in trees])
     record(Eagle3DraftModel, "step_call", lambda step: ("step", step in EAGER_STEPS))
     return seen

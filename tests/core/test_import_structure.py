@@ -21,7 +21,7 @@ PACKAGE = "hf_eagle3"
 ROOT = Path(hf_eagle3.__file__).resolve().parent
 CORE = ROOT / "core"
 # Modules that run decoding: the draft model must not import them.
-DECODING = {"generate_hook", "candidate_generator", "decoding_loop", "tree_drafter", "tree_policy", "target_cache",
+DECODING = {"generate_hook", "candidate_generator", "decoding_loop", "tree_candidates", "tree_policy", "target_cache",
             "draft_state", "acceptance", "auto_entry"}
 # Third-party packages a core file may import inside a function only (optional for the bundle's user).
 LAZY_ONLY = {"safetensors"}

@@ -19,7 +19,7 @@ from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
 from conftest import random_prompt
 
-from hf_eagle3 import Eagle3BatchTreeDrafter
+from hf_eagle3 import Eagle3Drafter
 from hf_eagle3.core.draft_cache import Eagle3RowCache
 from hf_eagle3.core.generate_hook import use_drafting
 from hf_eagle3.core.transformers_compat import SELECTS_HIDDEN_STATES
@@ -58,7 +58,7 @@ def recorded_call(target, draft, job: dict, features: str, then=None) -> dict:
     ``then()``, when given: the other thread has published its own call's statistics by then)."""
     proposals = []
 
-    class Recording(Eagle3BatchTreeDrafter):
+    class Recording(Eagle3Drafter):
         def select(self, candidates, roots, total):
             trees = super().select(candidates, roots, total)
             proposals.append([(t.tokens.tolist(), t.parents.tolist()) for t in trees])

@@ -35,10 +35,11 @@ from conftest import cached_target as target_of
 
 import hf_eagle3.core.target_cache as target_cache
 import hf_eagle3.core.tree_policy as tree_policy
-from hf_eagle3.core import batch_drafter, cost_model, draft_length_policy
+from hf_eagle3.core import cost_model, draft_length_policy
+from hf_eagle3.core import drafter as drafter_module
 from hf_eagle3.core.draft_state import Eagle3DraftState
 from hf_eagle3.core.generate_hook import _ACTIVE
-from hf_eagle3.core.tree_drafter import DraftTree
+from hf_eagle3.core.tree_candidates import DraftTree
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma3")
 SHAPES = [(1, 1, 1), (1, 4, 4), (2, 3, 1), (4, 4, 8), (3, 3, 12)]  # (top_k, depth, total_tokens)
@@ -135,7 +136,7 @@ def test_tree_expansion_matches_sequential_draft_steps():
     target = target_of("llama")
     draft = tiny_draft(target, 48, seed=4)
     draft.bind_target(target)
-    drafter = batch_drafter.Eagle3BatchTreeDrafter(draft, 1, 64)
+    drafter = drafter_module.Eagle3Drafter(draft, 1, 64)
     sequential = Eagle3DraftState(draft)  # the reference: the draft's own cache, causal steps
     torch.manual_seed(0)
     features, tokens = torch.randn(1, 7, 3 * 64), prompt(7)
@@ -363,8 +364,8 @@ def test_auto_tree_rounds_without_a_tree_stay_lossless(arch, monkeypatch):
     pattern = iter([True, False, False, True, False, True, True, False, False, False] * 5)
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *batch: next(pattern))
     fed = []
-    original_feed = batch_drafter.Eagle3BatchTreeDrafter.feed
-    monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "feed",
+    original_feed = drafter_module.Eagle3Drafter.feed
+    monkeypatch.setattr(drafter_module.Eagle3Drafter, "feed",
                         lambda self: fed.append(self._merged()[:2]) or original_feed(self))
     out = greedy(target, ids, max_new_tokens=24, assistant_model=draft, tree_top_k=3, tree_depth=4,
                  tree_total_tokens="auto")
@@ -556,8 +557,8 @@ def test_auto_sizes_each_round_from_the_previous_rounds_candidates(monkeypatch):
     ids = prompt(9, seed=11)
     ref = greedy(target, ids, max_new_tokens=24)
     sizes, chosen, levels = [], [], []
-    select, choose = batch_drafter.Eagle3BatchTreeDrafter.select, tree_policy.TreeSizeChooser.choose
-    expand = batch_drafter.Eagle3BatchTreeDrafter.expand
+    select, choose = drafter_module.Eagle3Drafter.select, tree_policy.TreeSizeChooser.choose
+    expand = drafter_module.Eagle3Drafter.expand
 
     def recording_expand(self, depth, top_k):
         levels.append(depth)
@@ -572,8 +573,8 @@ def test_auto_sizes_each_round_from_the_previous_rounds_candidates(monkeypatch):
         chosen.append(choose(self, path_probs, *batch))
         return chosen[-1]
 
-    monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "select", recording_select)
-    monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "expand", recording_expand)
+    monkeypatch.setattr(drafter_module.Eagle3Drafter, "select", recording_select)
+    monkeypatch.setattr(drafter_module.Eagle3Drafter, "expand", recording_expand)
     first, first_nodes = [], tree_policy.TreeSizeChooser.first_nodes
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "choose", recording_choose)
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "first_nodes",
@@ -599,14 +600,14 @@ def test_auto_trees_grow_back_after_a_small_one(monkeypatch):
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *args: True)
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "levels", lambda self, frontier, most: most)
     nodes = []
-    select = batch_drafter.Eagle3BatchTreeDrafter.select
+    select = drafter_module.Eagle3Drafter.select
 
     def recording(self, candidates, roots, total):
         trees = select(self, candidates, roots, total)
         nodes.append(trees[0].tokens.shape[0] - 1)
         return trees
 
-    monkeypatch.setattr(batch_drafter.Eagle3BatchTreeDrafter, "select", recording)
+    monkeypatch.setattr(drafter_module.Eagle3Drafter, "select", recording)
     draft = tiny_draft(target, seed=14)
     known_costs(target, draft)  # sizes chosen from known costs (not the first rounds that learn a size's cost)
     out = greedy(target, ids, max_new_tokens=24, assistant_model=draft, **tree(3, 4, "auto"))

@@ -1,6 +1,6 @@
 """EAGLE-2-style dynamic draft trees: :func:`grow_candidates` grows every row's candidates level by level with the
 draft, :func:`select_trees` keeps the best ones as :class:`DraftTree` s, and :func:`candidate_ranking` summarises the
-candidates for ``tree_total_tokens="auto"``. :class:`~hf_eagle3.core.batch_drafter.Eagle3BatchTreeDrafter` runs them.
+candidates for ``tree_total_tokens="auto"``. :class:`~hf_eagle3.core.drafter.Eagle3Drafter` runs them.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import cached_target, tiny_draft
 
-from hf_eagle3.core.batch_drafter import Eagle3BatchTreeDrafter
+from hf_eagle3.core.drafter import Eagle3Drafter
 from hf_eagle3.core.draft_state import Eagle3DraftState
 from hf_eagle3.core.logits_process import Eagle3D2TLogitsProcessor
-from hf_eagle3.core.tree_drafter import grow_candidates, select_trees
+from hf_eagle3.core.tree_candidates import grow_candidates, select_trees
 
 
 def decisive_draft(**overrides):
@@ -94,7 +94,7 @@ def test_batch_trees_equal_each_row_drafted_alone(shape, overrides):
     g = torch.Generator().manual_seed(0)
     rows = 4
     alone = [Alone(draft) for _ in range(rows)]
-    batch = Eagle3BatchTreeDrafter(draft, rows, capacity=8)  # small: the row cache must grow
+    batch = Eagle3Drafter(draft, rows, capacity=8)  # small: the row cache must grow
     live = list(range(rows))  # which of the original rows the batch still holds, in its order
     feeds = [[9, 3, 14, 1], [2, 5, 1, 4], [1, 1, 3, 2], [5, 2, 2, 1], [3, 1, 4, 2], [2, 2, 1, 3]]
     for step, counts in enumerate(feeds):

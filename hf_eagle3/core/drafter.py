@@ -1,4 +1,4 @@
-"""The drafting of the package's loop: :class:`Eagle3BatchTreeDrafter` runs one draft forward per step for all the
+"""The drafting of the package's loop: :class:`Eagle3Drafter` runs one draft forward per step for all the
 rows at once (the feed of the verified positions, then each level of the trees), with ragged rows handled on the
 device. Each row gets the tree it would get alone (the same candidates, the same selection); a batch of one is a
 single sequence; chains are trees with one child per node.
@@ -12,7 +12,7 @@ from .draft_cache import Eagle3RowCache, static_capacity
 from .transfers import to_device
 from .draft_steps import batch_tree_level, standard_strides
 from .logits_process import Eagle3D2TLogitsProcessor
-from .tree_drafter import grow_candidates, select_trees
+from .tree_candidates import grow_candidates, select_trees
 
 
 def take_positions(values: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
@@ -31,7 +31,7 @@ def take_positions(values: torch.Tensor, index: torch.LongTensor) -> torch.Tenso
     return values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
 
 
-class Eagle3BatchTreeDrafter:
+class Eagle3Drafter:
     r"""
     Drafts a tree (or a chain) for every row of a batch, with one draft forward per step for the whole batch.
 
@@ -135,7 +135,7 @@ class Eagle3BatchTreeDrafter:
 
         Returns:
             ``(scores [B, M], draft_ids [B, M], parents [B, M], depths [M], levels)``: see
-            :func:`~hf_eagle3.core.tree_drafter.grow_candidates`.
+            :func:`~hf_eagle3.core.tree_candidates.grow_candidates`.
         """
         device, rows = self.device, self.rows
         start = max(self.fed)
@@ -183,3 +183,6 @@ class Eagle3BatchTreeDrafter:
         self._pending = [(f[index], t[index], [c[i] for i in keep]) for f, t, c in self._pending]
         if self._hidden is not None:
             self._hidden, self._logits = self._hidden[index], self._logits[index]
+
+
+Eagle3BatchTreeDrafter = Eagle3Drafter  # its name before 0.2.0, kept for one release
