@@ -182,6 +182,9 @@ def _check_train_options(args) -> str:
     if not args.target_temperature > 0:
         raise SystemExit(f"--target-temperature {args.target_temperature}: give a temperature > 0 (1 = the target's "
                          "own distribution, the reference recipe; e.g. 0.5 sharpens it for greedy decoding).")
+    if args.lk_weight is not None and args.loss != "mixed":
+        raise SystemExit(f"--lk-weight {args.lk_weight:g} weighs the acceptance term of --loss mixed; this run has "
+                         f"--loss {args.loss}: drop --lk-weight, or pass --loss mixed.")
     select_by = args.select_by or ("holdout" if args.holdout_shards else "last")
     if args.accumulate < 1:
         raise SystemExit(f"--accumulate {args.accumulate}: give the batches per optimiser step, >= 1.")
@@ -269,6 +272,7 @@ def _train_config(args, select_by: str):
         ttt_length=args.ttt_length, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
         warmup_steps=args.warmup_steps, max_prompt_context=args.max_prompt_context,
         prompt_loss_weight=args.prompt_loss_weight, target_temperature=args.target_temperature,
+        loss=args.loss, lk_weight=1.0 if args.lk_weight is None else args.lk_weight,
         mixed_precision=args.mixed_precision, save_every=args.save_every, max_steps=args.max_steps,
         max_minutes=args.max_minutes, holdout_shards=args.holdout_shards, seed=args.seed,
         select_by=select_by, accumulate=args.accumulate, fsdp=args.fsdp,

@@ -5,9 +5,24 @@ Light on purpose: building them imports neither torch nor Transformers, so that 
 
 from __future__ import annotations
 
+import argparse
+import math
+
 from hf_eagle3.cli import lazy_command
 
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
+LOSS_KINDS = ("ce", "lk", "mixed")  # hf_eagle3.training.ttt.LOSS_KINDS (not imported: it imports torch)
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text}: give a finite number > 0")
+    return value
 
 
 def add_prepare_parser(subparsers):
@@ -135,6 +150,13 @@ def add_train_parser(subparsers):
     t.add_argument("--target-temperature", type=float, default=1.0,
                    help="temperature of the target's distribution used as soft labels (default 1: the reference; "
                         "below 1 sharpens it towards the argmax that greedy decoding accepts)")
+    t.add_argument("--loss", default="ce", choices=list(LOSS_KINDS),
+                   help="training objective per position and draft step: ce = soft cross-entropy against the target's "
+                        "distribution (the reference); lk = the acceptance term 1 - sum_x min(p(x), q(x)) (the "
+                        "rejection probability of speculative sampling, LK losses, arXiv 2602.23881) alone; mixed = "
+                        "ce + --lk-weight x lk (default ce)")
+    t.add_argument("--lk-weight", type=_positive_float, default=None,
+                   help="with --loss mixed: weight of the acceptance term (default 1.0)")
     t.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"],
                    help="autocast of training (default auto: bf16 on GPUs and CPUs with bf16 hardware, no elsewhere)")
     t.add_argument("--seed", type=int, default=0,

@@ -21,7 +21,7 @@ from .features import FeatureShards, collate
 from .hardware import resolve_dtype
 from .parallel import DataParallel
 from .replay import replay_chain_acceptance
-from .ttt import TTTObjective, ttt_loss
+from .ttt import LOSS_KINDS, TTTObjective, ttt_loss
 
 
 @dataclass
@@ -41,6 +41,13 @@ class TrainConfig:
         prompt_loss_weight: weight of prompt positions in the loss (0 = the reference recipe: responses only).
         target_temperature: temperature of the soft labels (1 = the reference recipe; below 1 sharpens them towards
             the target's argmax, see :func:`~hf_eagle3.training.ttt.ttt_loss`).
+        loss: the objective: ``"ce"`` (soft cross-entropy, the reference recipe), ``"lk"`` (the acceptance term
+            ``1 - sum_x min(p(x), q(x))`` alone) or ``"mixed"`` (cross-entropy + ``lk_weight`` x that term); see
+            :func:`~hf_eagle3.training.ttt.acceptance_loss`.
+        lk_weight: weight of the acceptance term with ``loss="mixed"``. 1 by default: the two terms' gradients with
+            respect to the draft's logits are of one size (each at most 1 per logit in absolute value), and LK-lambda
+            (arXiv 2602.23881) weighs TV against KL by ``(1 - lambda) / lambda``, from about 0.8 at an overlap of 0.2 to
+            about 3.5 at 0.5: 1 sits at the cautious end of that range. No ablation here has tuned it.
         mixed_precision: ``"auto"`` (bf16 where the hardware computes it, else no autocast), ``"bf16"``,
             ``"fp16"`` or ``"no"`` (accelerate autocast).
         save_every: checkpoint every this many optimiser steps.
@@ -70,6 +77,8 @@ class TrainConfig:
     max_prompt_context: int = 256
     prompt_loss_weight: float = 0.0
     target_temperature: float = 1.0
+    loss: str = "ce"
+    lk_weight: float = 1.0
     mixed_precision: str = "auto"
     save_every: int = 100
     log_every: int = 10
@@ -261,6 +270,12 @@ def _check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"select_by='holdout' scores checkpoints on held-out shards with a replayed chain: it needs "
                          f"holdout_shards >= 1 (now {cfg.holdout_shards}) and select_chain_length >= 1 (now "
                          f"{cfg.select_chain_length}); or pass select_by='last' (--select-by last).")
+    if cfg.loss not in LOSS_KINDS:
+        raise ValueError(f"loss={cfg.loss!r}: use one of {', '.join(LOSS_KINDS)} (ce = soft cross-entropy, the "
+                         "reference; lk = the acceptance term 1 - sum min(p, q); mixed = ce + lk_weight x lk).")
+    if cfg.loss == "mixed" and not (0 < cfg.lk_weight < float("inf")):
+        raise ValueError(f"lk_weight={cfg.lk_weight}: give a finite weight > 0 for loss='mixed' (loss='ce' trains "
+                         "without the acceptance term).")
     if not (isinstance(cfg.accumulate, int) and cfg.accumulate >= 1):
         raise ValueError(f"accumulate={cfg.accumulate}: give the number of batches per optimiser step, >= 1.")
 
@@ -303,7 +318,8 @@ class _TrainingRun:
         if hasattr(draft, "embed_tokens"):  # the draft reads the target's (frozen) embedding during training
             draft.embed_tokens.requires_grad_(False)
         draft.train()
-        self.parallel = DataParallel(acc, TTTObjective(draft, cfg.ttt_length, cfg.target_temperature),
+        objective = TTTObjective(draft, cfg.ttt_length, cfg.target_temperature, cfg.loss, cfg.lk_weight)
+        self.parallel = DataParallel(acc, objective,
                                      lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
                                                                       weight_decay=cfg.weight_decay),
                                      fsdp=cfg.fsdp)
@@ -319,6 +335,7 @@ class _TrainingRun:
     def _log_setup(self, precision_line: str) -> None:
         """The main process's opening lines: the precision, and warnings about the setup."""
         self.log(precision_line)
+        self.log(f"loss: {_loss_line(self.cfg)}")
         if self.cfg.fsdp and self.world == 1:
             self.log("--fsdp with one process: nothing to shard, training as usual (launch several processes with "
                      "torchrun --nproc-per-node N to shard)")
@@ -343,6 +360,10 @@ class _TrainingRun:
             return self.clock["now"] / (self.cfg.max_minutes * 60)
         return (s - self.cfg.warmup_steps) / max(1, self.total_steps - self.cfg.warmup_steps)
 
+    def _objective(self) -> dict:
+        """The loss a checkpoint was trained with (stored with it, so that a resume with another one says so)."""
+        return {"loss": self.cfg.loss, "lk_weight": self.cfg.lk_weight if self.cfg.loss == "mixed" else None}
+
     def _layout(self) -> dict:
         """What a checkpoint must match to be resumed: processes, accumulation and sharding."""
         return {"processes": self.world, "accumulate": self.cfg.accumulate, "fsdp": self.parallel.sharded}
@@ -362,6 +383,12 @@ class _TrainingRun:
         self.step, self.start_epoch, self.skip = state["step"], state["epoch"], state["batches_done"]
         self.clock["offset"] = self.clock["now"] = state.get("elapsed", 0.0)
         self.finished = _finished(self.step, self.start_epoch, self.clock["now"], self.cfg)
+        before = state.get("objective", {"loss": "ce", "lk_weight": None})  # checkpoints older than --loss: ce
+        if self.main and not self.finished and before != self._objective():
+            # like --lr or --target-temperature, the loss may change on a resume (e.g. ce, then lk from its weights);
+            # say so, since the logged loss changes meaning at this step
+            self.log(f"the checkpoint (step {self.step}) was trained with {_loss_line(before)}; training continues "
+                     f"with {_loss_line(self.cfg)}: the logged loss changes meaning from step {self.step + 1}")
         if self.main and self.finished:
             self.log(f"{self.out} holds a finished run ({self.finished[0]}, step {self.step}): nothing is trained, its "
                      f"weights are returned as they are. To train further raise {self.finished[1]}, or start in a new "
@@ -397,6 +424,7 @@ class _TrainingRun:
                     "model": model_state,
                     "optimizer": optimizer_state,
                     "layout": self._layout(),
+                    "objective": self._objective(),
                     "scheduler": self.sched.state_dict(),
                     "step": self.step,
                     "epoch": epoch,
@@ -446,8 +474,8 @@ class _TrainingRun:
                 self.save(epoch + 1, 0)
 
     def optimiser_step(self, micro: list) -> tuple[torch.Tensor, list]:
-        """One optimiser step over this process's batches ``micro`` (gradients accumulated): the mean loss and the
-        batches' per-step accuracies."""
+        """One optimiser step over this process's batches ``micro`` (gradients accumulated): the mean loss and, per
+        batch, its per-step accuracies and overlaps (``[acc, overlap]``)."""
         losses, accs = [], []
         device = self.accelerator.device
         for j, items in enumerate(micro):
@@ -459,7 +487,7 @@ class _TrainingRun:
                                                       batch["loss_mask"])
                 self.accelerator.backward(loss / len(micro))
             losses.append(loss.detach().float())
-            accs.append(stats["acc"])
+            accs.append([stats["acc"], stats["overlap"]])
             self.tokens_seen += int(batch["loss_mask"].sum())
         loss = torch.stack(losses).mean()
         self.parallel.clip_grad_norm_(self.cfg.grad_clip)
@@ -474,7 +502,7 @@ class _TrainingRun:
     def log_step(self, epoch: int, loss: torch.Tensor, accs: list) -> None:
         """Log the step (every process takes part in the reductions; the main process writes)."""
         tokens = self.tokens_seen
-        acc = torch.tensor(accs, dtype=torch.float64).mean(0)
+        acc = torch.tensor(accs, dtype=torch.float64).mean(0)  # [acc, overlap] x steps, one reduction
         accelerator = self.accelerator
         if self.world > 1:  # every process logs at the same steps: a collective is safe here
             tokens = int(accelerator.reduce(torch.tensor(self.tokens_seen, device=accelerator.device), "sum"))
@@ -484,7 +512,9 @@ class _TrainingRun:
             "step": self.step,
             "epoch": epoch,
             "loss": float(loss),
-            "acc": [round(float(a), 4) for a in acc],
+            "acc": [round(float(a), 4) for a in acc[0]],
+            "overlap": [round(float(a), 4) for a in acc[1]],
+            "loss_kind": self.cfg.loss,
             "lr": self.sched.get_last_lr()[0],
             "tokens": tokens,
             "minutes": round((time.time() - self.t0) / 60, 2),
@@ -555,6 +585,17 @@ class _TrainingRun:
             for tensor in weights.values():
                 torch.distributed.broadcast(tensor, src=0)
         return weights, replaced
+
+
+def _loss_line(objective) -> str:
+    """The loss of a :class:`TrainConfig` (or of a checkpoint's ``objective``) in words, for the log."""
+    get = objective.get if isinstance(objective, dict) else lambda name: getattr(objective, name)
+    kind = get("loss")
+    if kind == "lk":
+        return "lk (the acceptance term 1 - sum min(p, q) alone)"
+    if kind == "mixed":
+        return f"mixed (soft cross-entropy + {get('lk_weight'):g} x the acceptance term 1 - sum min(p, q))"
+    return f"{kind} (soft cross-entropy)"
 
 
 def _finished(step: int, epoch: int, seconds: float, cfg: TrainConfig) -> tuple[str, str] | None:

@@ -5,7 +5,8 @@ at base position t with the embedding of token t+1; step k reads the pre-norm ou
 position with the embedding of token t+1+k, at position t+k, and attends causally to the step-0 keys plus the
 same-base keys of steps 1..k (exactly what it sees at inference). Step k is trained against the target's
 distribution at position t+1+k restricted to the draft vocabulary (soft cross-entropy), on response positions whose
-target argmax is in the draft vocabulary, weighted 0.8**k.
+target argmax is in the draft vocabulary, weighted 0.8**k. With ``loss="lk"`` or ``"mixed"`` an acceptance term
+(:func:`acceptance_loss`) replaces or joins that cross-entropy.
 """
 
 from __future__ import annotations
@@ -14,6 +15,44 @@ import torch
 import torch.nn.functional as F
 
 from ..core.modeling_eagle3 import Eagle3DraftModel
+
+
+LOSS_KINDS = ("ce", "lk", "mixed")
+"""The objectives of :func:`ttt_loss`: ``ce`` (soft cross-entropy, the reference), ``lk`` (the acceptance term
+alone), ``mixed`` (cross-entropy + ``lk_weight`` x the acceptance term)."""
+
+
+def acceptance_loss(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The acceptance term of each position: ``1 - sum_x min(p(x), q(x))``, with ``q = softmax(logits)``.
+
+    Under speculative sampling a token drafted from ``q`` is accepted by a target sampling from ``p`` with probability
+    ``sum_x min(p(x), q(x))`` (the overlap of the two distributions, ``alpha``), so this term is the rejection
+    probability, which equals the total variation distance ``TV(p, q) = 1/2 sum_x |p(x) - q(x)|``; it lies in
+    [0, 1] and is 0 exactly where ``q == p``.
+
+    Source: "LK Losses: Direct Acceptance Rate Optimization for Speculative Decoding" (Samarin et al., arXiv
+    2602.23881). Its two named losses are built on this term: LK-lambda, ``lambda * KL(p || q) + (1 - lambda) * TV``
+    with an adaptive weight ``lambda = exp(-eta * alpha)`` (``eta = 3``; NVIDIA Model Optimizer's implementation
+    detaches ``lambda``), and LK-alpha, ``-log(alpha)``. vLLM speculators exposes the same term as its ``tv`` loss.
+    This function is the TV term only (what ``--loss lk`` trains); ``--loss mixed`` adds it with a fixed weight to
+    the soft cross-entropy (cross-entropy against ``p`` differs from ``KL(p || q)`` by ``p``'s entropy, a constant, so
+    its gradients are KL's); neither the adaptive weight nor ``-log(alpha)`` is implemented here.
+
+    Here ``p`` is the trainer's soft label (the target's distribution restricted to the draft vocabulary and
+    renormalised there, at the run's target temperature) and ``q`` the draft's distribution over its vocabulary.
+    The renormalised ``p`` is at least the target's own probability on every drafted token, so ``alpha`` here is an
+    upper bound of the acceptance probability against the full target distribution (equal where the draft vocabulary
+    holds all of the target's mass).
+
+    Args:
+        probs: the target's distribution ``p`` [..., V] (rows sum to 1; no gradient flows into it).
+        logits: the draft's logits [..., V].
+
+    Returns:
+        ``1 - sum(min(p, softmax(logits)))`` [...], in float32 or wider.
+    """
+    q = logits.float().softmax(-1)
+    return 1.0 - torch.minimum(probs.to(q.dtype), q).sum(-1)
 
 
 class ConcatKVCache:
@@ -135,6 +174,8 @@ def ttt_loss(
     ttt_length: int = 7,
     step_decay: float = 0.8,
     target_temperature: float = 1.0,
+    loss: str = "ce",
+    lk_weight: float = 1.0,
 ):
     """Compute the TTT loss of one batch.
 
@@ -152,21 +193,34 @@ def ttt_loss(
             recipe (the target's own distribution), below 1 sharpens them towards the target's argmax, which is what
             greedy verification accepts (towards 0 the loss becomes cross-entropy on the argmax). The accuracy
             statistics do not depend on it.
+        loss: the per-position objective: ``"ce"`` (the default and the reference: the soft cross-entropy
+            ``-sum_x p(x) log q(x)``), ``"lk"`` (the acceptance term ``1 - sum_x min(p(x), q(x))``, see
+            :func:`acceptance_loss`) or ``"mixed"`` (cross-entropy + ``lk_weight`` x the acceptance term); ``p`` is the
+            soft label in all three.
+        lk_weight: weight of the acceptance term in ``"mixed"`` (> 0; unused otherwise).
 
     Returns:
-        ``(loss, stats)``: the sum over steps (weighted ``step_decay ** k``) of each step's weighted mean soft
-        cross-entropy over its counted positions, and per-step ``loss``, ``acc`` (draft argmax == target argmax,
-        weighted alike) and ``count`` lists.
+        ``(loss, stats)``: the sum over steps (weighted ``step_decay ** k``) of each step's weighted mean
+        per-position objective over its counted positions, and per-step ``loss`` (that mean), ``acc`` (draft argmax
+        == target argmax, weighted alike), ``overlap`` (the weighted mean of ``sum_x min(p(x), q(x))``, the
+        acceptance probability under speculative sampling against the soft labels, whatever ``loss`` is) and
+        ``count`` lists.
     """
     if not target_temperature > 0:
         raise ValueError(f"target_temperature must be > 0 (1 = the target's distribution), got {target_temperature}")
+    if loss not in LOSS_KINDS:
+        raise ValueError(f"loss={loss!r}: use one of {', '.join(LOSS_KINDS)} (ce = soft cross-entropy, the reference)")
+    if loss == "mixed" and not (0 < lk_weight < float("inf")):
+        raise ValueError(f"lk_weight must be a finite number > 0 for loss='mixed' (loss='ce' trains without the "
+                         f"acceptance term), got {lk_weight}")
+    kind = loss
     m = input_ids.shape[1] - 1
     pad = ttt_length + 1  # pad once so that every step reads a window [1 + k, 1 + k + m)
     probs_all = F.pad((target_logits.float() / target_temperature).softmax(-1), (0, 0, 0, pad))
     argmax_all = F.pad(target_logits.argmax(-1), (0, pad))
     mask_all = F.pad(loss_mask.float(), (0, pad))
     total = features.new_zeros((), dtype=torch.float32)
-    stats = {"loss": [], "acc": [], "count": []}
+    stats = {"loss": [], "acc": [], "overlap": [], "count": []}
     for k, hidden in enumerate(ttt_forward(draft, features, input_ids, ttt_length)):
         window = slice(1 + k, 1 + k + m)
         sel = mask_all[:, window] > 0  # the LM head and the loss only where the position counts
@@ -176,16 +230,27 @@ def ttt_loss(
             total = total + 0.0 * draft.compute_logits(hidden[:, :1]).float().sum()
             stats["loss"].append(0.0)
             stats["acc"].append(0.0)
+            stats["overlap"].append(0.0)
             continue
         weight = mask_all[:, window][sel]
         logits = draft.compute_logits(hidden[sel]).float()
-        per_pos = -(probs_all[:, window][sel] * logits.log_softmax(-1)).sum(-1)
+        probs = probs_all[:, window][sel]
+        lk_pos = None if kind == "ce" else acceptance_loss(probs, logits)
+        if kind == "ce":
+            per_pos = -(probs * logits.log_softmax(-1)).sum(-1)
+        elif kind == "lk":
+            per_pos = lk_pos
+        else:
+            per_pos = -(probs * logits.log_softmax(-1)).sum(-1) + lk_weight * lk_pos
         step_loss = (per_pos * weight).sum() / weight.sum()
         total = total + (step_decay**k) * step_loss
         with torch.no_grad():
             acc = ((logits.argmax(-1) == argmax_all[:, window][sel]).float() * weight).sum() / weight.sum()
+            rejected = acceptance_loss(probs, logits) if lk_pos is None else lk_pos
+            overlap = ((1.0 - rejected) * weight).sum() / weight.sum()
         stats["loss"].append(float(step_loss.detach()))
         stats["acc"].append(float(acc))
+        stats["overlap"].append(float(overlap))
     return total, stats
 
 
@@ -197,15 +262,20 @@ class TTTObjective(torch.nn.Module):
         draft: the draft being trained (bound to an embedding).
         ttt_length: unrolled draft steps.
         target_temperature: temperature of the soft labels (see :func:`ttt_loss`).
+        loss: the objective, one of :data:`LOSS_KINDS` (see :func:`ttt_loss`).
+        lk_weight: weight of the acceptance term with ``loss="mixed"``.
     """
 
-    def __init__(self, draft: Eagle3DraftModel, ttt_length: int, target_temperature: float = 1.0):
+    def __init__(self, draft: Eagle3DraftModel, ttt_length: int, target_temperature: float = 1.0, loss: str = "ce",
+                 lk_weight: float = 1.0):
         super().__init__()
         self.draft = draft
         self.ttt_length = ttt_length
         self.target_temperature = target_temperature
+        self.loss = loss
+        self.lk_weight = lk_weight
 
     def forward(self, features, input_ids, target_logits, loss_mask):
         """Return ``ttt_loss(draft, ...)``: the loss and the per-step statistics."""
         return ttt_loss(self.draft, features, input_ids, target_logits, loss_mask, self.ttt_length,
-                        target_temperature=self.target_temperature)
+                        target_temperature=self.target_temperature, loss=self.loss, lk_weight=self.lk_weight)
