@@ -25,7 +25,6 @@ recursive rejection sampling, which keeps the target's distribution). See ``docs
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -56,7 +55,7 @@ from .target_cache import (
     static_tree_mask,
     tree_attention_mask,
 )
-from .transformers_compat import eos_token_ids, round_forward
+from .transformers_compat import compiled_graphs, eos_token_ids, round_forward
 from .tree_candidates import DraftTree, candidate_ranking
 from .transfers import to_device
 
@@ -64,7 +63,6 @@ COMPACT_SLACK = 32  # compact the target cache when it is this many entries long
 # Graphs torch may compile for the target's forward (its default, 8, is below one batch size's widths plus the plain
 # decode step and a chain's lengths, which share that function): 64 covers the widths of several batch sizes.
 GRAPHS_PER_FORWARD = 64
-_COMPILED_SHAPES = weakref.WeakKeyDictionary()  # target -> the (compiled forward, rows, width) shapes run so far
 
 
 @dataclass(eq=False)
@@ -248,7 +246,7 @@ class _Loop:
         # A static cache: the rounds' forwards keep one shape per node bucket (compiled where Transformers would).
         self.static = is_static_cache(self.cache)
         self.forward, compiled = round_forward(model, model_kwargs, generation_config) if self.static else (model, False)
-        self.shapes = _COMPILED_SHAPES.setdefault(model, set()) if compiled else None  # (forward, rows, width) compiled
+        self.compiled = compiled
         if compiled:  # one graph per (rows, width): room for them beside plain decoding's and Transformers' chains'
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_FORWARD)
         self.compiling = False  # the latest round's forward compiled a graph (its time is the compiler's)
@@ -438,12 +436,10 @@ class _Loop:
         depths = torch.stack([_padded(t.depths.to(device), width) if t is not None else blank for t in placed])
         mask = static_tree_mask(self.valid, [t.ancestors if t is not None else None for t in placed], width,
                                 pool.capacity, self.dtype)
-        if self.shapes is not None:
-            shape = (id(self.forward), tokens.shape[0], width)
-            self.compiling = shape not in self.shapes
-            self.shapes.add(shape)
+        graphs = compiled_graphs() if self.compiled else None
         outputs = self.capture.forward(self.forward, input_ids=tokens, position_ids=self.positions[:, None] + depths,
                                        attention_mask=mask, use_cache=True, **{self.cache_key: self.cache})
+        self.compiling = graphs is not None and compiled_graphs() != graphs  # this forward compiled a graph
         pool.wrote(width)
         logits, features = outputs.logits[:, :nodes], self._features()
         if len(self.rows) < len(placed):  # the unfinished rows, in their order

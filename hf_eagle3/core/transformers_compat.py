@@ -236,6 +236,17 @@ def round_forward(model, model_kwargs: dict, generation_config):
     return model, False
 
 
+def compiled_graphs() -> int:
+    """
+    How many graphs torch has compiled in this process (its dynamo counter, private to torch and read only here): a
+    forward after which it grew compiled (or recompiled) a graph, whatever the reason (a new width, batch size or
+    cache capacity).
+    """
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def eos_token_ids(generation_config) -> set[int]:
     """
     The end-of-sequence token ids of a ``generate`` call.
