@@ -98,6 +98,27 @@ def tiny_records(target, n: int = 24, prompt: int = 8, new: int = 24, seed: int 
     return records
 
 
+def tiny_training_data(directory):
+    """Training inputs from the tiny llama target: 4 random records (6 prompt and 10 response tokens) whose features
+    are cached under ``directory / "features"`` (2 records a shard), and a 64-token draft vocabulary.
+
+    Returns:
+        ``(features_dir, target_head, d2t, t2d)``.
+    """
+    from hf_eagle3.training.features import cache_features
+    from hf_eagle3.training.vocab import build_vocab_mapping, count_tokens
+
+    target = tiny_target("llama")
+    g = torch.Generator().manual_seed(0)
+    records = [{"id": str(i), "prompt_ids": torch.randint(4, 256, (6,), generator=g).tolist(),
+                "response_ids": torch.randint(4, 256, (10,), generator=g).tolist()} for i in range(4)]
+    features = directory / "features"
+    cache_features(target, records, features, [2, 3, 3], per_shard=2, dtype=torch.float32, progress=False)
+    head = torch.load(features / "target_head.pt", weights_only=False)
+    d2t, t2d = build_vocab_mapping(count_tokens(r["response_ids"] for r in records), 64, 256)
+    return features, head, d2t, t2d
+
+
 @pytest.fixture(autouse=True)
 def fresh_costs():
     """Every test starts with an empty cost table (what a call learns does not reach the next test)."""

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
+from conftest import tiny_draft, tiny_target, tiny_training_data
 
 from hf_eagle3.training.ttt import LOSS_KINDS, acceptance_loss, ttt_forward, ttt_loss
 
@@ -116,18 +116,9 @@ def test_ce_is_unchanged_and_lk_and_mixed_are_what_they_say():
 
 
 def test_a_tiny_mixed_run_finishes_logs_its_loss_and_a_resume_with_another_says_so(tmp_path):
-    from hf_eagle3.training.features import cache_features
     from hf_eagle3.training.trainer import TrainConfig, draft_config_for_target, init_draft, train
-    from hf_eagle3.training.vocab import build_vocab_mapping, count_tokens
 
-    target = tiny_target("llama")
-    g = torch.Generator().manual_seed(0)
-    records = [{"id": str(i), "prompt_ids": torch.randint(4, 256, (6,), generator=g).tolist(),
-                "response_ids": torch.randint(4, 256, (10,), generator=g).tolist()} for i in range(4)]
-    feats = tmp_path / "features"
-    cache_features(target, records, feats, [2, 3, 3], per_shard=2, dtype=torch.float32, progress=False)
-    head = torch.load(feats / "target_head.pt", weights_only=False)
-    d2t, t2d = build_vocab_mapping(count_tokens(r["response_ids"] for r in records), 64, 256)
+    feats, head, d2t, t2d = tiny_training_data(tmp_path)
 
     def run(lines, **overrides):
         torch.manual_seed(0)

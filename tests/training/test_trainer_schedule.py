@@ -3,8 +3,7 @@ schedule, naming what to change."""
 
 from __future__ import annotations
 
-import torch
-from conftest import tiny_target
+from conftest import tiny_training_data
 
 
 # --------------------------------------------------------------------------------------- schedule and end reason
@@ -22,18 +21,9 @@ def test_schedule_warning_names_what_to_change():
 
 
 def test_train_warns_about_small_data_and_says_what_ended_it(tmp_path):
-    from hf_eagle3.training.features import cache_features
     from hf_eagle3.training.trainer import TrainConfig, draft_config_for_target, init_draft, train
-    from hf_eagle3.training.vocab import build_vocab_mapping, count_tokens
 
-    target = tiny_target("llama")
-    g = torch.Generator().manual_seed(0)
-    records = [{"id": str(i), "prompt_ids": torch.randint(4, 256, (6,), generator=g).tolist(),
-                "response_ids": torch.randint(4, 256, (10,), generator=g).tolist()} for i in range(4)]
-    feats = tmp_path / "features"
-    cache_features(target, records, feats, [2, 3, 3], per_shard=2, dtype=torch.float32, progress=False)
-    head = torch.load(feats / "target_head.pt", weights_only=False)
-    d2t, t2d = build_vocab_mapping(count_tokens(r["response_ids"] for r in records), 64, 256)
+    feats, head, d2t, t2d = tiny_training_data(tmp_path)
 
     def run(name, **overrides):
         lines = []
