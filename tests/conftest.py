@@ -160,6 +160,14 @@ def known_costs(target, draft, rows: int = 1, masked: bool = True) -> None:
     cost_table().store(cost_key(target, draft, rows, masked), 128, costs)
 
 
+def unlimited_allowance(monkeypatch) -> None:
+    """Let ``"auto"`` draft past its loss allowance (``budget.MAX_LOSS``), for tests of what it decides or learns
+    once it drafts: their random drafts' rounds lose on the real clock, and the allowance would make them plain."""
+    from hf_eagle3.core import budget
+
+    monkeypatch.setattr(budget, "MAX_LOSS", float("inf"))
+
+
 def random_prompt(length: int = 6, seed: int = 0) -> torch.LongTensor:
     """Random prompt ids ``[1, length]`` in ``[4, 256)`` (no special ids), fixed by ``seed``."""
     return torch.randint(4, 256, (1, length), generator=torch.Generator().manual_seed(seed))

@@ -12,6 +12,8 @@ Glossary:
   rounds of the first calls that lacked them; no call times anything beyond its own rounds.
 - **pace**: how much slower (or faster) the call's rounds run than their costs say, per kind of round (the policy's).
 - **probe**: a round drafted to learn, where the current estimate says not to draft.
+- **allowance** (:class:`LossAllowance`): what the rounds that draft may lose, all together, in one call, against
+  the target's own steps; spent, the call's rounds are plain steps.
 - **memory** (:class:`~hf_eagle3.core.drafting_memory.DraftingMemory`): what one call leaves to the next call of the
   same draft (acceptance estimates, the rows' spread), the one object the draft holds across calls.
 
@@ -30,7 +32,7 @@ from typing import NamedTuple
 from .batch_tail import ONE_ROW, BatchRows
 from .cost_model import Eagle3Costs, cost_key, cost_table
 from .drafting_memory import DraftingMemory
-from .draft_length_policy import USUAL_FEED, Eagle3DraftLengthPolicy
+from .draft_length_policy import USUAL_FEED, Eagle3DraftLengthPolicy, smooth
 from .settings import DEFAULT_DRAFT_LENGTH, resolve_draft_settings
 from .tree_policy import TreeSizeChooser, auto_most_nodes
 
@@ -55,6 +57,13 @@ class RoundPlan(NamedTuple):
 
 
 PLAIN = RoundPlan(0, 1, 0)
+
+# The most a call's drafted rounds may lose, all together, against plain steps, as a fraction of the call's time in
+# plain steps (its new tokens): what is left of the floor (a call >= 0.95x plain `generate`) after the timing's own
+# spread (+-3 % between runs of the same call on a 2-core CPU). Measured with it: the first calls in
+# docs/bench_results/2026-12-07_first_calls_allowance_float32.json.
+MAX_LOSS = 0.03
+PLAIN_SMOOTHING = 0.2  # exponential smoothing of the plain rounds' seconds, the price of a token (about 5 rounds)
 
 
 @dataclass
@@ -157,6 +166,54 @@ class FixedBudget(Budget):
         return RoundPlan(depth, self.top_k, self.total) if depth >= 1 else PLAIN
 
 
+class LossAllowance:
+    r"""
+    What drafting may lose in one call: :data:`MAX_LOSS` of the call's time in plain steps (``horizon`` tokens at a
+    plain round's seconds). Each round that drafted gains its tokens (per row, the mean) at a plain round's price
+    and pays its seconds; a round drafts only while its loss, should it accept nothing (its predicted seconds less one
+    plain step), keeps the call within the allowance. A prompt the draft reads badly thus costs the call at most
+    about that fraction, whatever the estimates say; a prompt it reads well banks a gain that later rounds may spend.
+
+    Args:
+        horizon (`int`): the most tokens the call generates per row (``max_length`` less the prompt).
+    """
+
+    def __init__(self, horizon: int):
+        self.horizon = max(int(horizon), 1)
+        self.net = 0.0  # seconds the drafted rounds gained (negative: lost) against plain steps
+        self.plain = None  # a plain round's seconds, smoothed (None: none timed in this call yet)
+
+    def price(self, costs: Eagle3Costs) -> float:
+        """A plain round's seconds: the call's own, else the costs' one-token forward."""
+        return self.plain if self.plain is not None else costs.target_seconds(1)
+
+    def permits(self, worst: float, costs: Eagle3Costs) -> bool:
+        """
+        Whether a round may draft.
+
+        Args:
+            worst (`float`): the round's predicted seconds (what it costs should it accept nothing, less the plain step
+                it replaces, is the most it can lose).
+            costs (`Eagle3Costs`): the call's costs.
+        """
+        plain = self.price(costs)
+        return self.net - max(worst - plain, 0.0) >= -MAX_LOSS * plain * self.horizon
+
+    def spend(self, outcome: "RoundOutcome", costs: Eagle3Costs) -> None:
+        """
+        Account for a finished round.
+
+        Args:
+            outcome (`RoundOutcome`): the round.
+            costs (`Eagle3Costs`): the call's costs.
+        """
+        if not outcome.plan.drafts:
+            self.plain = smooth(self.plain, outcome.seconds, PLAIN_SMOOTHING)
+            return
+        tokens = 1.0 + sum(outcome.accepted) / max(len(outcome.accepted), 1)
+        self.net += tokens * self.price(costs) - outcome.seconds
+
+
 class _LearntCosts(Budget):
     """A budget that prices rounds with the call's costs, learns those the table lacks from its rounds and stores
     them at the end.
@@ -165,13 +222,24 @@ class _LearntCosts(Budget):
         costs (`Eagle3Costs`): the call's costs (from the table; learnt on).
         key (`str`): their :func:`~hf_eagle3.core.cost_model.cost_key`.
         context (`int`): the call's prompt length, the bucket its costs are stored under.
+        horizon (`int`): the most tokens the call generates per row (its :class:`LossAllowance`).
     """
 
     timed = True
 
-    def __init__(self, costs: Eagle3Costs, key: str, context: int):
+    def __init__(self, costs: Eagle3Costs, key: str, context: int, horizon: int):
         self.costs, self.key, self.context = costs, key, context
         self.known = self._known()  # what the table gave the call (learnt costs are added to it, never changed)
+        self.allowance = LossAllowance(horizon)
+
+    def permits(self, plan: RoundPlan, feed: int) -> bool:
+        """Whether the call's :class:`LossAllowance` lets a round of ``plan`` draft after feeding ``feed``
+        positions (its seconds predicted from the costs: the feed, a draft forward per further level, the target's
+        forward over its nodes)."""
+        costs = self.costs
+        worst = (costs.feed_seconds(feed) + (plan.depth - 1) * (costs.draft_step or 0.0)
+                 + costs.target_seconds(plan.total + 1))
+        return self.allowance.permits(worst, costs)
 
     def _known(self) -> tuple:
         """How many costs of each kind are known."""
@@ -186,6 +254,7 @@ class _LearntCosts(Budget):
             chain (`bool`): a chain budget's round: also the draft's one-token step (a tree's levels are wider), and
                 the target's forward relative to the plain step timed just before (the lengths take turns).
         """
+        self.allowance.spend(outcome, self.costs)
         drafts = outcome.plan.drafts
         self.costs.learn(outcome.nodes, outcome.verify_seconds, fed=outcome.feed if drafts else 0,
                          feed_seconds=outcome.feed_seconds,
@@ -204,16 +273,17 @@ class ChainBudget(_LearntCosts):
     """``num_assistant_tokens_schedule="auto"``: each round the chain length, 0 included, with the most expected
     tokens per second (:class:`~hf_eagle3.core.draft_length_policy.Eagle3DraftLengthPolicy`). A call whose costs lack
     a length's target forward first lets the lengths take turns until each is timed (:meth:`learning_round`: a few
-    rounds, on a machine with no table only).
+    rounds, on a machine with no table only). No round drafts past the call's :class:`LossAllowance`.
 
     Args:
         policy (`Eagle3DraftLengthPolicy`): the decision, on ``costs``.
-        costs, key, context: see :class:`_LearntCosts`.
+        costs, key, context, horizon: see :class:`_LearntCosts`.
         most (`int`): the longest chain.
     """
 
-    def __init__(self, policy: Eagle3DraftLengthPolicy, costs: Eagle3Costs, key: str, context: int, most: int):
-        super().__init__(costs, key, context)
+    def __init__(self, policy: Eagle3DraftLengthPolicy, costs: Eagle3Costs, key: str, context: int, horizon: int,
+                 most: int):
+        super().__init__(costs, key, context, horizon)
         self.policy, self.depth, self.most = policy, most, most
 
     def plan(self, batch: BatchRows = ONE_ROW, feed: int = 1, room: int | None = None) -> RoundPlan:
@@ -225,7 +295,8 @@ class ChainBudget(_LearntCosts):
         if k is None:  # a deferred feed (the prompt's, or after plain steps) is priced as a usual one: it is paid
             # once, whenever drafting resumes, and would otherwise keep drafting off the longer it waits
             k = self.policy.choose(most, feed=min(feed, USUAL_FEED), batch=batch)
-        return RoundPlan(k, 1, k) if k > 0 else PLAIN
+        plan = RoundPlan(k, 1, k) if k > 0 else PLAIN
+        return plan if not plan.drafts or self.permits(plan, feed) else PLAIN
 
     def learning_round(self, most: int) -> int | None:
         """While the costs lack a chain length's target forward (no calibration, and no earlier call learnt it), the
@@ -260,20 +331,20 @@ class TreeBudget(_LearntCosts):
     trees do not pay; like :class:`ChainBudget`, a plain step first when no plain step is known, and then, while the
     plain step is the only target forward known, trees of the first size at full depth until that size's cost is
     learnt (:meth:`learning`): one known size would price every size alike, and sizes that vary are never timed often
-    enough to be learnt.
+    enough to be learnt. No round drafts past the call's :class:`LossAllowance`.
 
     Args:
         chooser (`TreeSizeChooser`): the decision, on ``costs.target``.
-        costs, key, context: see :class:`_LearntCosts`.
+        costs, key, context, horizon: see :class:`_LearntCosts`.
         depth (`int`): ``tree_depth``.
         top_k (`int`): ``tree_top_k``.
     """
 
     needs_ranking = True
 
-    def __init__(self, chooser: TreeSizeChooser, costs: Eagle3Costs, key: str, context: int, depth: int,
-                 top_k: int):
-        super().__init__(costs, key, context)
+    def __init__(self, chooser: TreeSizeChooser, costs: Eagle3Costs, key: str, context: int, horizon: int,
+                 depth: int, top_k: int):
+        super().__init__(costs, key, context, horizon)
         self.chooser, self.depth, self.top_k = chooser, depth, top_k
         self.most = auto_most_nodes(depth, top_k)
         self.total = None  # the first tree's size, once a plain step is known (`TreeSizeChooser.first_nodes`)
@@ -290,8 +361,10 @@ class TreeBudget(_LearntCosts):
         if not self.chooser.draft_this_round(batch, depth, feed):
             return PLAIN
         if self.learning:
-            return RoundPlan(depth, self.top_k, self.first)
-        return RoundPlan(min(depth, self.next_depth), self.top_k, self.total)
+            plan = RoundPlan(depth, self.top_k, self.first)
+        else:
+            plan = RoundPlan(min(depth, self.next_depth), self.top_k, self.total)
+        return plan if self.permits(plan, feed) else PLAIN
 
     @property
     def learning(self) -> bool:
@@ -320,7 +393,8 @@ def _call_costs(target, draft, input_ids, masked: bool, target_forward: str = "e
     return cost_table().costs(key, input_ids.shape[1]), key
 
 
-def chain_budget(target, draft, input_ids, most: int, masked: bool, target_forward: str = "eager") -> ChainBudget:
+def chain_budget(target, draft, input_ids, most: int, masked: bool, horizon: int,
+                 target_forward: str = "eager") -> ChainBudget:
     """
     The ``"auto"`` chain budget of a call: its costs from the table, the acceptance the draft's last call left.
 
@@ -330,14 +404,15 @@ def chain_budget(target, draft, input_ids, most: int, masked: bool, target_forwa
         input_ids (`torch.LongTensor` [B, L]): the call's prompts.
         most (`int`): the longest chain (``num_assistant_tokens``).
         masked (`bool`): the package's loop (its target forwards carry a 4D mask), not Transformers'.
+        horizon (`int`): the most tokens the call generates per row (``max_length`` less the prompt).
         target_forward (`str`): how the target's forwards run (see :func:`~hf_eagle3.core.cost_model.cost_key`).
     """
     costs, key = _call_costs(target, draft, input_ids, masked, target_forward)
     policy = Eagle3DraftLengthPolicy.from_carried(costs, draft.drafting_memory.chain)
-    return ChainBudget(policy, costs, key, input_ids.shape[1], most)
+    return ChainBudget(policy, costs, key, input_ids.shape[1], horizon, most)
 
 
-def budget_for(call, target, input_ids, target_forward: str = "eager") -> Budget:
+def budget_for(call, target, input_ids, horizon: int, target_forward: str = "eager") -> Budget:
     """
     The budget of a call of the package's loop (trees at any batch size, chains for batches), from its settings.
 
@@ -346,6 +421,7 @@ def budget_for(call, target, input_ids, target_forward: str = "eager") -> Budget
             call's draft-length settings).
         target (`PreTrainedModel`): the target.
         input_ids (`torch.LongTensor` [B, L]): the call's prompts.
+        horizon (`int`): the most tokens the call generates per row (``max_length`` less the prompt).
         target_forward (`str`): how the target's forwards run (see :func:`~hf_eagle3.core.cost_model.cost_key`).
 
     Raises:
@@ -359,7 +435,7 @@ def budget_for(call, target, input_ids, target_forward: str = "eager") -> Budget
             return FixedBudget(depth, top_k, total)
         costs, key = _call_costs(target, draft, input_ids, True, target_forward)
         chooser = TreeSizeChooser.from_carried(costs.target, draft.drafting_memory.trees.get(key))
-        return TreeBudget(chooser, costs, key, input_ids.shape[1], depth, top_k)
+        return TreeBudget(chooser, costs, key, input_ids.shape[1], horizon, depth, top_k)
     settings = resolve_draft_settings(draft.generation_config, call.settings)
     schedule = settings.get("num_assistant_tokens_schedule", "constant")
     if schedule in ("heuristic", "heuristic_transient"):
@@ -376,5 +452,5 @@ def budget_for(call, target, input_ids, target_forward: str = "eager") -> Budget
         )
     k = int(settings.get("num_assistant_tokens", DEFAULT_DRAFT_LENGTH))
     if schedule == "auto":
-        return chain_budget(target, draft, input_ids, k, True, target_forward)
+        return chain_budget(target, draft, input_ids, k, True, horizon, target_forward)
     return FixedBudget(k)

@@ -103,7 +103,8 @@ class Eagle3CandidateGenerator(CandidateGenerator):
         # the draft's cache, fed positions and pending verified positions
         self.state = Eagle3DraftState(draft, capacity=generation_config.max_length + 1)
         self.stats = Eagle3Stats()
-        self.budget = (chain_budget(target, draft, input_ids, self.num_assistant_tokens, masked=False)
+        self.budget = (chain_budget(target, draft, input_ids, self.num_assistant_tokens, masked=False,
+                                    horizon=self.max_length - input_ids.shape[1])
                        if num_assistant_tokens_schedule == "auto" else None)
         self.stopwatch = Stopwatch(self.device) if self.budget is not None else None
         self._last_len = input_ids.shape[1]  # length of the sequence handed to the target last round

@@ -264,7 +264,8 @@ class _Loop:
             self.capture.remove()
             self.capture = Eagle3OutputFeatures(self.capture.layer_ids, len(self.capture.layers))
         self.budget = budget = budget_for(  # how much each round drafts
-            call, model, input_ids, "compiled" if compiled else "static" if self.static else "eager")
+            call, model, input_ids, generation_config.max_length - input_ids.shape[1],
+            "compiled" if compiled else "static" if self.static else "eager")
         if self.static:  # room for the longest row, one round's padded nodes and, for a batch, some holes
             columns = generation_config.max_length + node_bucket(budget.most + 1, budget.most + 1) + (
                 0 if self.single else COMPACT_SLACK)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import cached_draft as draft_of
 from conftest import cached_target as target_of
-from conftest import known_costs, tiny_draft
+from conftest import known_costs, tiny_draft, unlimited_allowance
 from test_draft_length_policy import costs, estimate
 
 from hf_eagle3.core import draft_length_policy, tree_policy
@@ -223,6 +223,7 @@ def test_tree_chooser_first_size_follows_the_costs():
 
 def test_the_loop_passes_the_batch_to_the_choices(monkeypatch):
     """Every round's decisions get the unfinished rows: what each still needs and its acceptance so far."""
+    unlimited_allowance(monkeypatch)
     seen, batches, feeds = [], [], []
     draft_this_round = tree_policy.TreeSizeChooser.draft_this_round
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round",

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from conftest import greedy, random_prompt, tiny_draft
+from conftest import greedy, random_prompt, tiny_draft, unlimited_allowance
 from conftest import cached_target as target_of
 from test_greedy_identity import draft_covering, oracle_select
 
@@ -85,6 +85,7 @@ def test_a_new_context_length_times_nothing(monkeypatch):
 def test_the_first_round_without_costs_is_plain_and_teaches_the_table(monkeypatch, tmp_path):
     """With an empty table the first round after the prefill is the target's own step (its time is the plain step's
     cost); the call leaves its learnt costs in the table and its file, and the next call drafts from its first round."""
+    unlimited_allowance(monkeypatch)
     monkeypatch.setenv("HF_EAGLE3_CACHE", str(tmp_path))
     monkeypatch.setattr(cost_model, "_TABLE", [])  # the process's table, read afresh from the new directory
     target = target_of("llama")
@@ -294,6 +295,7 @@ def test_a_tree_budget_without_costs_learns_its_first_size_before_sizing(monkeyp
     """With an empty table, tree ``"auto"`` drafts trees of its first size (at full depth) once the plain step is
     known, until that size's cost is learnt (one known size would price every size alike, and varying sizes are never
     timed often enough to be learnt); then it sizes its trees from the learnt costs. Every output is the target's."""
+    unlimited_allowance(monkeypatch)
     from hf_eagle3.core.budget import TreeBudget
 
     target = target_of("llama")
@@ -320,3 +322,54 @@ def test_a_tree_budget_without_costs_learns_its_first_size_before_sizing(monkeyp
     assert first == 16 and len(while_learning) >= 3
     assert all(p.total == first and p.depth == wide["tree_depth"] for p in while_learning)
     assert first + 1 in plans[-1][1]  # the first size's target forward was learnt within the call
+
+
+def test_the_loss_allowance_accounts_and_refuses():
+    """A round that drafted gains its tokens at a plain round's price and pays its seconds; a round may draft only
+    while its loss, should it accept nothing, keeps the call within ``MAX_LOSS`` of its horizon in plain steps."""
+    from hf_eagle3.core.budget import MAX_LOSS, LossAllowance, RoundOutcome
+
+    costs = Eagle3Costs({1: 1.0, 8: 2.0}, {}, None)
+    allowance = LossAllowance(horizon=100)  # MAX_LOSS * 100 plain steps may be lost
+    assert allowance.permits(0.99 + 100 * MAX_LOSS, costs) and not allowance.permits(1.01 + 100 * MAX_LOSS, costs)
+    allowance.spend(RoundOutcome(PLAIN, [0], [0], 0, 1, 0.5, 0.5), costs)  # the call's plain rounds set the price
+    assert allowance.price(costs) == 0.5 and allowance.net == 0.0
+    allowance.spend(RoundOutcome(RoundPlan(3, 1, 3), [3], [3], 1, 4, 1.5, 1.0), costs)  # 4 tokens in 1.5 s: +0.5 s
+    assert allowance.net == pytest.approx(0.5)
+    allowance.spend(RoundOutcome(RoundPlan(3, 2, 6), [3, 3], [0, 1], 1, 7, 2.5, 2.0), costs)  # 1.5 tokens: -1.75 s
+    assert allowance.net == pytest.approx(-1.25)
+    assert allowance.permits(0.5 + 0.2, costs)  # at worst -1.45, within -MAX_LOSS * 0.5 * 100 = -1.5
+    assert not allowance.permits(0.5 + 0.3, costs)  # at worst -1.55
+
+
+@pytest.mark.parametrize("settings", [AUTO, TREE_AUTO], ids=["chain", "tree"])
+def test_a_call_the_draft_reads_badly_loses_at_most_its_allowance(settings, monkeypatch):
+    """Every drafted token rejected (a random draft) where a target forward of ``n`` tokens costs ``1 + 0.4 (n - 1)``
+    plain steps (a fake clock), no table, and estimates that always say "draft": the call's rounds that draft lose no
+    more than ``MAX_LOSS`` of its plain time and the round that crossed it; with no allowance the same call loses
+    several times that (the test can fail). The output is the target's."""
+    from hf_eagle3.core import budget, tree_policy
+
+    target = target_of("llama")
+    ids = random_prompt(9, seed=7)
+    new = 160
+    ref = greedy(target, ids, max_new_tokens=new)
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *a, **k: True)
+    monkeypatch.setattr(Eagle3DraftLengthPolicy, "choose", lambda self, most, **k: most)
+    losses, allowed = {}, budget.MAX_LOSS
+    for limit in (allowed, float("inf")):
+        monkeypatch.setattr(budget, "MAX_LOSS", limit)
+        cost_table().reset()
+        draft = tiny_draft(target, seed=2)
+        clock = FakeClock(0.4)
+        with monkeypatch.context() as m:
+            m.setattr(cost_model.Stopwatch, "mark", lambda self: clock.now)
+            m.setattr(target, "forward", clock.forward_of(target.forward))
+            out = greedy(target, ids, max_new_tokens=new, assistant_model=draft, **settings)
+        assert torch.equal(out, ref)
+        plain_time = (1 + 0.4 * (ids.shape[1] - 1)) + (new - 1)  # the prefill, then a plain step per token
+        losses[limit] = clock.now - plain_time
+        assert draft.last_stats.num_accepted_tokens <= 2  # the random draft: (almost) every token rejected
+    worst_round = 0.4 * (budget.auto_most_nodes(3, 2) if settings is TREE_AUTO else 4)  # less the plain step
+    assert 0 < losses[allowed] <= allowed * new + worst_round
+    assert losses[float("inf")] > 3 * (allowed * new + worst_round)

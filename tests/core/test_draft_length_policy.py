@@ -22,6 +22,7 @@ from conftest import (
     sampling_models,
     tiny_draft,
     token_p_values,
+    unlimited_allowance,
 )
 from conftest import cached_target as target_of
 from test_greedy_identity import check_recorded_scores, draft_covering, oracle_select
@@ -278,6 +279,7 @@ def test_auto_real_policy_greedy_identity():
 def test_deferred_feed_matches_scratch_forward(monkeypatch):
     """After rounds that draft nothing, the draft consumes all the verified positions at once: its scores equal a
     from-scratch forward over the whole sequence, at every draft step."""
+    unlimited_allowance(monkeypatch)
     target = target_of("llama")
     length, k = 14, 3
     ids = random_prompt(length, seed=21)
