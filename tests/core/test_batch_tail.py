@@ -290,6 +290,7 @@ def test_a_batched_call_carries_how_far_its_rows_differed(monkeypatch):
     batched call's rounds weigh their rows with it; a call of one row compares no rows and leaves it."""
     from test_batched_decoding import CHAIN, batch_draft, batch_target, oracle_generate, padded_batch
 
+    unlimited_allowance(monkeypatch)
     target, draft = batch_target("llama"), batch_draft("llama")
     draft.drafting_memory.rows_spread = None
     ids, mask = padded_batch((4, 13, 8, 2, 10), seed=7)

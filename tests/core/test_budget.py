@@ -326,20 +326,28 @@ def test_a_tree_budget_without_costs_learns_its_first_size_before_sizing(monkeyp
 
 def test_the_loss_allowance_accounts_and_refuses():
     """A round that drafted gains its tokens at a plain round's price and pays its seconds; a round may draft only
-    while its loss, should it accept nothing, keeps the call within ``MAX_LOSS`` of its horizon in plain steps."""
+    while its loss, should it accept nothing (its predicted seconds, scaled by how much longer the call's last drafted
+    round took than predicted), keeps the call within ``MAX_LOSS`` of its horizon in plain steps."""
     from hf_eagle3.core.budget import MAX_LOSS, LossAllowance, RoundOutcome
 
     costs = Eagle3Costs({1: 1.0, 8: 2.0}, {}, None)
-    allowance = LossAllowance(horizon=100)  # MAX_LOSS * 100 plain steps may be lost
-    assert allowance.permits(0.99 + 100 * MAX_LOSS, costs) and not allowance.permits(1.01 + 100 * MAX_LOSS, costs)
+    allowance = LossAllowance(horizon=100)
+    limit = MAX_LOSS * 1.0 * 100  # seconds the call may lose at the costs' plain step
+    assert not allowance.permits(1.0 + limit + 0.01, costs) and allowance.permits(1.0 + limit - 0.01, costs)
     allowance.spend(RoundOutcome(PLAIN, [0], [0], 0, 1, 0.5, 0.5), costs)  # the call's plain rounds set the price
     assert allowance.price(costs) == 0.5 and allowance.net == 0.0
+    limit = MAX_LOSS * 0.5 * 100
     allowance.spend(RoundOutcome(RoundPlan(3, 1, 3), [3], [3], 1, 4, 1.5, 1.0), costs)  # 4 tokens in 1.5 s: +0.5 s
     assert allowance.net == pytest.approx(0.5)
-    allowance.spend(RoundOutcome(RoundPlan(3, 2, 6), [3, 3], [0, 1], 1, 7, 2.5, 2.0), costs)  # 1.5 tokens: -1.75 s
-    assert allowance.net == pytest.approx(-1.25)
-    assert allowance.permits(0.5 + 0.2, costs)  # at worst -1.45, within -MAX_LOSS * 0.5 * 100 = -1.5
-    assert not allowance.permits(0.5 + 0.3, costs)  # at worst -1.55
+    seconds = 1.25 + limit / 2  # 1.5 tokens (0.75 s at the price) in these seconds: the net at -limit / 2
+    allowance.spend(RoundOutcome(RoundPlan(3, 2, 6), [3, 3], [0, 1], 1, 7, seconds, 1.0), costs)
+    assert allowance.net == pytest.approx(-limit / 2) and allowance.pace == 1.0  # no slower than predicted
+    assert allowance.permits(0.5 + 0.4 * limit, costs)  # at worst -0.9 limit
+    assert not allowance.permits(0.5 + 0.6 * limit, costs)  # at worst -1.1 limit
+    assert allowance.permits(0.6, costs)
+    allowance.spend(RoundOutcome(RoundPlan(1, 1, 1), [1], [1], 1, 2, 1.2, 1.0), costs)  # predicted 0.6 s, took 1.2 s
+    assert allowance.pace == pytest.approx(2.0)
+    assert not allowance.permits(0.5 + 0.3 * limit, costs)  # twice that: 0.5 + 0.6 limit, lost past the limit
 
 
 @pytest.mark.parametrize("settings", [AUTO, TREE_AUTO], ids=["chain", "tree"])
