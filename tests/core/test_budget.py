@@ -324,6 +324,7 @@ def test_a_tree_budget_without_costs_learns_its_first_size_before_sizing(monkeyp
     assert first + 1 in plans[-1][1]  # the first size's target forward was learnt within the call
 
 
+@pytest.mark.allowance
 def test_the_loss_allowance_accounts_and_refuses():
     """A round that drafted gains its tokens at a plain round's price and pays its seconds; a round may draft only
     while its loss, should it accept nothing (its predicted seconds, scaled by how much longer the call's last drafted
@@ -350,6 +351,7 @@ def test_the_loss_allowance_accounts_and_refuses():
     assert not allowance.permits(0.5 + 0.3 * limit, costs)  # twice that: 0.5 + 0.6 limit, lost past the limit
 
 
+@pytest.mark.allowance
 @pytest.mark.parametrize("settings", [AUTO, TREE_AUTO], ids=["chain", "tree"])
 def test_a_call_the_draft_reads_badly_loses_at_most_its_allowance(settings, monkeypatch):
     """Every drafted token rejected (a random draft) where a target forward of ``n`` tokens costs ``1 + 0.4 (n - 1)``
