@@ -241,14 +241,27 @@ class _LearntCosts(Budget):
         self.known = self._known()  # what the table gave the call (learnt costs are added to it, never changed)
         self.allowance = LossAllowance(horizon)
 
-    def permits(self, plan: RoundPlan, feed: int) -> bool:
-        """Whether the call's :class:`LossAllowance` lets a round of ``plan`` draft after feeding ``feed``
-        positions (its seconds predicted from the costs: the feed, a draft forward per further level, the target's
-        forward over its nodes)."""
-        costs = self.costs
-        worst = (costs.feed_seconds(feed) + (plan.depth - 1) * (costs.draft_step or 0.0)
-                 + costs.target_seconds(plan.total + 1))
-        return self.allowance.permits(worst, costs)
+    def fit(self, plan: RoundPlan, feed: int) -> RoundPlan:
+        """
+        ``plan``, or the largest round within it that the call's :class:`LossAllowance` lets draft after feeding
+        ``feed`` positions (its seconds predicted from the costs: the feed, a draft forward per further level, the
+        target's forward over its nodes): its nodes halved (its depth no more than its nodes) until it fits; a plain
+        round when not even one node does. A call whose allowance runs low keeps drafting small rounds, which lose
+        little when rejected and rebuild the allowance when accepted.
+
+        Args:
+            plan (`RoundPlan`): the round the estimates chose.
+            feed (`int`): positions per row the draft consumes first.
+        """
+        costs, total = self.costs, plan.total
+        while plan.drafts and total >= 1:
+            depth = min(plan.depth, total)
+            worst = (costs.feed_seconds(feed) + (depth - 1) * (costs.draft_step or 0.0)
+                     + costs.target_seconds(total + 1))
+            if self.allowance.permits(worst, costs):
+                return plan if total == plan.total else RoundPlan(depth, plan.top_k, total)
+            total //= 2
+        return PLAIN
 
     def _known(self) -> tuple:
         """How many costs of each kind are known."""
@@ -282,7 +295,7 @@ class ChainBudget(_LearntCosts):
     """``num_assistant_tokens_schedule="auto"``: each round the chain length, 0 included, with the most expected
     tokens per second (:class:`~hf_eagle3.core.draft_length_policy.Eagle3DraftLengthPolicy`). A call whose costs lack
     a length's target forward first lets the lengths take turns until each is timed (:meth:`learning_round`: a few
-    rounds, on a machine with no table only). No round drafts past the call's :class:`LossAllowance`.
+    rounds, on a machine with no table only). No round drafts past the call's :class:`LossAllowance` (:meth:`fit`).
 
     Args:
         policy (`Eagle3DraftLengthPolicy`): the decision, on ``costs``.
@@ -304,8 +317,7 @@ class ChainBudget(_LearntCosts):
         if k is None:  # a deferred feed (the prompt's, or after plain steps) is priced as a usual one: it is paid
             # once, whenever drafting resumes, and would otherwise keep drafting off the longer it waits
             k = self.policy.choose(most, feed=min(feed, USUAL_FEED), batch=batch)
-        plan = RoundPlan(k, 1, k) if k > 0 else PLAIN
-        return plan if not plan.drafts or self.permits(plan, feed) else PLAIN
+        return self.fit(RoundPlan(k, 1, k), feed) if k > 0 else PLAIN
 
     def learning_round(self, most: int) -> int | None:
         """While the costs lack a chain length's target forward (no calibration, and no earlier call learnt it), the
@@ -340,7 +352,7 @@ class TreeBudget(_LearntCosts):
     trees do not pay; like :class:`ChainBudget`, a plain step first when no plain step is known, and then, while the
     plain step is the only target forward known, trees of the first size at full depth until that size's cost is
     learnt (:meth:`learning`): one known size would price every size alike, and sizes that vary are never timed often
-    enough to be learnt. No round drafts past the call's :class:`LossAllowance`.
+    enough to be learnt. No round drafts past the call's :class:`LossAllowance` (:meth:`fit`).
 
     Args:
         chooser (`TreeSizeChooser`): the decision, on ``costs.target``.
@@ -373,7 +385,7 @@ class TreeBudget(_LearntCosts):
             plan = RoundPlan(depth, self.top_k, self.first)
         else:
             plan = RoundPlan(min(depth, self.next_depth), self.top_k, self.total)
-        return plan if self.permits(plan, feed) else PLAIN
+        return self.fit(plan, feed)
 
     @property
     def learning(self) -> bool:

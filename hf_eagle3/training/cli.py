@@ -272,7 +272,7 @@ def _train_config(args, select_by: str):
         ttt_length=args.ttt_length, lr=args.lr, epochs=args.epochs, batch_tokens=args.batch_tokens,
         warmup_steps=args.warmup_steps, max_prompt_context=args.max_prompt_context,
         prompt_loss_weight=args.prompt_loss_weight, target_temperature=args.target_temperature,
-        loss=args.loss, lk_weight=1.0 if args.lk_weight is None else args.lk_weight,
+        loss=args.loss, lk_weight=1.0 if args.lk_weight is None else args.lk_weight, freeze_head=args.freeze_head,
         mixed_precision=args.mixed_precision, save_every=args.save_every, max_steps=args.max_steps,
         max_minutes=args.max_minutes, holdout_shards=args.holdout_shards, seed=args.seed,
         select_by=select_by, accumulate=args.accumulate, fsdp=args.fsdp,

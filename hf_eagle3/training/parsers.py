@@ -157,6 +157,10 @@ def add_train_parser(subparsers):
                         "ce + --lk-weight x lk (default ce)")
     t.add_argument("--lk-weight", type=_positive_float, default=None,
                    help="with --loss mixed: weight of the acceptance term (default 1.0)")
+    t.add_argument("--freeze-head", action="store_true",
+                   help="keep the draft's lm_head as it starts (the target's rows of the draft vocabulary, or "
+                        "--init-draft's) and train the layer and fc only; with --draft-vocab-size set to the target's "
+                        "vocabulary size, the target's own head (a frozen full-vocabulary head)")
     t.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "no"],
                    help="autocast of training (default auto: bf16 on GPUs and CPUs with bf16 hardware, no elsewhere)")
     t.add_argument("--seed", type=int, default=0,

@@ -48,6 +48,10 @@ class TrainConfig:
             respect to the draft's logits are of one size (each at most 1 per logit in absolute value), and LK-lambda
             (arXiv 2602.23881) weighs TV against KL by ``(1 - lambda) / lambda``, from about 0.8 at an overlap of 0.2 to
             about 3.5 at 0.5: 1 sits at the cautious end of that range. No ablation here has tuned it.
+        freeze_head: keep the draft's ``lm_head`` as it starts (the target's own rows of the draft vocabulary, or
+            those of ``--init-draft``), untrained: with a draft vocabulary as large as the target's, the draft
+            predicts through the target's own head (a frozen full-vocabulary head, as DeepSpec's EAGLE-3 recipe
+            does), and its trainable weights are the layer and ``fc`` alone.
         mixed_precision: ``"auto"`` (bf16 where the hardware computes it, else no autocast), ``"bf16"``,
             ``"fp16"`` or ``"no"`` (accelerate autocast).
         save_every: checkpoint every this many optimiser steps.
@@ -79,6 +83,7 @@ class TrainConfig:
     target_temperature: float = 1.0
     loss: str = "ce"
     lk_weight: float = 1.0
+    freeze_head: bool = False
     mixed_precision: str = "auto"
     save_every: int = 100
     log_every: int = 10
@@ -317,6 +322,7 @@ class _TrainingRun:
             self._log_setup(precision_line)
         if hasattr(draft, "embed_tokens"):  # the draft reads the target's (frozen) embedding during training
             draft.embed_tokens.requires_grad_(False)
+        draft.lm_head.requires_grad_(not cfg.freeze_head)
         draft.train()
         objective = TTTObjective(draft, cfg.ttt_length, cfg.target_temperature, cfg.loss, cfg.lk_weight)
         self.parallel = DataParallel(acc, objective,
@@ -336,6 +342,8 @@ class _TrainingRun:
         """The main process's opening lines: the precision, and warnings about the setup."""
         self.log(precision_line)
         self.log(f"loss: {_loss_line(self.cfg)}")
+        if self.cfg.freeze_head:
+            self.log("head: frozen (lm_head keeps the rows it starts with; the layer and fc are trained)")
         if self.cfg.fsdp and self.world == 1:
             self.log("--fsdp with one process: nothing to shard, training as usual (launch several processes with "
                      "torchrun --nproc-per-node N to shard)")
@@ -366,7 +374,8 @@ class _TrainingRun:
 
     def _layout(self) -> dict:
         """What a checkpoint must match to be resumed: processes, accumulation and sharding."""
-        return {"processes": self.world, "accumulate": self.cfg.accumulate, "fsdp": self.parallel.sharded}
+        return {"processes": self.world, "accumulate": self.cfg.accumulate, "fsdp": self.parallel.sharded,
+                "freeze_head": self.cfg.freeze_head}
 
     def resume(self) -> None:
         """Continue from the run directory's checkpoint, if there is one (a finished run trains nothing)."""
@@ -374,10 +383,12 @@ class _TrainingRun:
             return
         state = torch.load(self.ckpt, weights_only=False)
         layout = self._layout()
-        saved = state.get("layout", {"processes": self.world, "accumulate": 1, "fsdp": False})
-        if saved != layout:
+        saved = {"freeze_head": False, **state.get("layout", {"processes": self.world, "accumulate": 1,
+                                                                "fsdp": False})}
+        if saved != layout:  # the optimiser's state holds what was trained: the head's too, or not
             raise ValueError(f"{self.ckpt} was written by a run with {saved}; this one has {layout}. Resume with the "
-                             "same number of processes, --accumulate and --fsdp, or start in a new --out.")
+                             "same number of processes, --accumulate, --fsdp and --freeze-head, or start in a new "
+                             "--out.")
         self.parallel.load(state["model"], state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.start_epoch, self.skip = state["step"], state["epoch"], state["batches_done"]

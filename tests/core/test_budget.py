@@ -383,3 +383,19 @@ def test_a_call_the_draft_reads_badly_loses_at_most_its_allowance(settings, monk
     worst_round = 0.4 * (budget.auto_most_nodes(3, 2) if settings is TREE_AUTO else 4)  # less the plain step
     assert 0 < losses[allowed] <= allowed * new + worst_round
     assert losses[float("inf")] > 3 * (allowed * new + worst_round)
+
+
+@pytest.mark.allowance
+def test_a_round_too_dear_for_the_allowance_is_cut_to_fit(monkeypatch):
+    """The estimates' round is cut (nodes halved, depth no more than nodes) to the largest that keeps the call
+    within its allowance should it accept nothing; a plain round when not even one node fits."""
+    from hf_eagle3.core import budget
+
+    monkeypatch.setattr(budget, "MAX_LOSS", 0.02)  # 2 plain steps of a 100-token call at 1 s a step
+    costs = Eagle3Costs({1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0, 16: 5.0, 32: 9.0}, {1: 0.0}, 0.0)
+    fitting = budget._LearntCosts(costs, "k", 128, horizon=100)
+    assert fitting.fit(RoundPlan(3, 1, 3), 1) == RoundPlan(3, 1, 3)  # at worst 2.0 - 1.0: fits as it is
+    assert fitting.fit(RoundPlan(5, 4, 16), 1) == RoundPlan(4, 4, 4)  # 17 nodes lose 4.25, 9 lose 2.25, 5 lose 1.25
+    fitting.allowance.net = -1.9  # lost nearly all of it: only a round that costs at most 0.1 more than a plain step
+    assert fitting.fit(RoundPlan(5, 4, 16), 1) == PLAIN  # even one drafted node (2 tokens, 1.5 s) loses 0.5
+    assert fitting.fit(PLAIN, 1) == PLAIN
