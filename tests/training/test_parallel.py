@@ -69,7 +69,7 @@ def test_ddp_and_fsdp_on_two_processes_follow_one_process_accumulating_their_bat
             for k, v in one.state_dict().items():
                 torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=f"{mode} rank {rank} {k}")
         checkpoint = torch.load(out / "checkpoint.pt", weights_only=False)
-        assert checkpoint["layout"] == {"processes": 2, "accumulate": 1, "fsdp": mode == "fsdp"}
+        assert checkpoint["layout"] == {"processes": 2, "accumulate": 1, "fsdp": mode == "fsdp", "freeze_head": False}
     # a rerun of the FSDP run resumes at its end (the full checkpoint loads into the shards) and trains nothing more
     (tmp_path / "fsdp" / "rank0.pt").unlink()
     _torchrun_training(feats, tmp_path / "fsdp", 0, "last", "fsdp")
