@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from ..core.config_layouts import native_to_flat_config, native_to_speculators_config
+from ..core.configuration_eagle3 import FEATURE_LAYERS
 from ..core.modeling_eagle3 import Eagle3DraftModel
 from ..core.settings import SAVED_DRAFT_SETTINGS, SCHEDULES
 from ..loading import load_target, parse_dtype
@@ -183,6 +184,28 @@ def export_remote_code(draft_or_path, out_dir: str | os.PathLike, dtype=None) ->
     return out
 
 
+def check_three_layers(draft, layout: str) -> None:
+    """
+    Refuse, before anything is written, a draft that reads other than three target layers for a layout whose
+    engines fuse exactly three (SGLang's, vLLM's and the EAGLE reference's ``fc`` takes ``3 x target_hidden_size``).
+
+    Args:
+        draft (`Eagle3DraftModel`): the draft.
+        layout (`str`): the layout asked for (named in the error).
+
+    Raises:
+        ValueError: naming the layouts that keep more layers.
+    """
+    config = draft.config
+    if config.num_feature_layers != FEATURE_LAYERS:
+        raise ValueError(
+            f"The {layout} layout is read by engines whose EAGLE-3 drafts fuse exactly {FEATURE_LAYERS} target layers "
+            f"(fc of width {FEATURE_LAYERS} x target_hidden_size: SGLang, vLLM, the EAGLE reference); this draft reads "
+            f"{config.num_feature_layers} ({config.feature_layer_ids}). Export it with --format native or "
+            "--remote-code (Transformers and hf-eagle3 read any number), or train a draft on three layers."
+        )
+
+
 def flat_config(draft, dtype_name: str | None = None) -> dict:
     """Return the flat-layout ``config.json`` dict of ``draft`` (what SGLang and vLLM read, see the module doc).
 
@@ -190,6 +213,7 @@ def flat_config(draft, dtype_name: str | None = None) -> dict:
         draft (`Eagle3DraftModel`): the draft.
         dtype_name (`str`, *optional*): value of ``torch_dtype`` (e.g. ``"bfloat16"``).
     """
+    check_three_layers(draft, "flat")
     config = draft.config
     out = native_to_flat_config(config)
     if config.feature_layer_ids is not None:
@@ -222,6 +246,7 @@ def export_flat(draft, out_dir: str | os.PathLike, dtype=None) -> Path:
         `Path`: ``out_dir``.
     """
     draft = as_draft(draft)
+    check_three_layers(draft, "flat")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = _state_dict(draft, parse_dtype(dtype))
@@ -241,6 +266,7 @@ def speculators_config(draft, num_speculative_tokens: int | None = None, dtype_n
         dtype_name (`str`, *optional*): value of ``torch_dtype`` in ``transformer_layer_config``.
 
     """
+    check_three_layers(draft, "speculators")
     config = draft.config
     if num_speculative_tokens is None:
         num_speculative_tokens = int(getattr(draft.generation_config, "num_assistant_tokens", None) or 5)
@@ -275,6 +301,7 @@ def export_speculators(
         `Path`: ``out_dir``.
     """
     draft = as_draft(draft)
+    check_three_layers(draft, "speculators")
     state = _state_dict(draft, parse_dtype(dtype))
     if "embed_tokens.weight" not in state:
         if target is not None:

@@ -98,20 +98,33 @@ def read_config_file(path: str | os.PathLike) -> dict:
     return cfg
 
 
-def default_feature_layer_ids(num_target_layers: int) -> list[int]:
-    """The reference EAGLE-3 capture indices ``[2, N // 2, N - 3]`` (inputs of those layers), clipped for tiny targets.
+FEATURE_LAYERS = 3  # target layers an EAGLE-3 draft reads unless its config lists more (what every engine reads)
+
+
+def default_feature_layer_ids(num_target_layers: int, count: int = FEATURE_LAYERS) -> list[int]:
+    """The reference EAGLE-3 capture indices ``[2, N // 2, N - 3]`` (inputs of those layers), clipped for tiny targets;
+    for ``count`` > 3, that many indices spread evenly from the reference's lowest to its highest (rounded).
 
     Args:
         num_target_layers (`int`): number of decoder layers N of the target.
+        count (`int`): how many layers (at least 3).
+
+    Raises:
+        ValueError: for fewer than 3 layers.
     """
     n = num_target_layers
-    return [min(2, n - 1), n // 2, max(n - 3, 0)]
+    low, high = min(2, n - 1), max(n - 3, 0)
+    if count < FEATURE_LAYERS:
+        raise ValueError(f"An EAGLE-3 draft reads at least {FEATURE_LAYERS} target layers, asked for {count}.")
+    if count == FEATURE_LAYERS:
+        return [low, n // 2, high]
+    return [round(low + i * (high - low) / (count - 1)) for i in range(count)]
 
 
 class Eagle3Config(PreTrainedConfig):
     r"""
-    Configuration of an EAGLE-3 draft model: one Llama-style decoder layer that reads three hidden states of a target
-    model (fused by ``fc``) together with the embedding of the next token, and predicts over a (smaller) draft
+    Configuration of an EAGLE-3 draft model: one Llama-style decoder layer that reads three (or, with
+    ``feature_layer_ids`` listing more, more) hidden states of a target model (fused by ``fc``) together with the embedding of the next token, and predicts over a (smaller) draft
     vocabulary that ``d2t`` maps onto the target vocabulary.
 
     Args:
@@ -219,8 +232,15 @@ class Eagle3Config(PreTrainedConfig):
         self.initializer_range = initializer_range
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
-        if self.feature_layer_ids is not None and len(self.feature_layer_ids) != 3:
-            raise ValueError(f"feature_layer_ids must list 3 layers (low, mid, high), got {self.feature_layer_ids}")
+        if self.feature_layer_ids is not None and len(self.feature_layer_ids) < FEATURE_LAYERS:
+            raise ValueError(f"feature_layer_ids must list at least {FEATURE_LAYERS} layers (low, mid, high, ...), "
+                             f"got {self.feature_layer_ids}")
+
+    @property
+    def num_feature_layers(self) -> int:
+        """How many target layers the draft reads (``fc`` fuses that many hidden states): 3 unless
+        ``feature_layer_ids`` lists more."""
+        return len(self.feature_layer_ids) if self.feature_layer_ids is not None else FEATURE_LAYERS
 
     @classmethod
     def _dict_from_json_file(cls, json_file: str | os.PathLike):
@@ -231,7 +251,7 @@ class Eagle3Config(PreTrainedConfig):
 
     def resolve_feature_layer_ids(self, num_target_layers: int) -> list[int]:
         """
-        Return the three capture indices for a target with ``num_target_layers`` decoder layers.
+        Return the capture indices for a target with ``num_target_layers`` decoder layers.
 
         Index i means the INPUT of decoder layer i (``output_hidden_states[i]``); ``feature_layer_ids=None`` gives
         the reference default ``[2, N // 2, N - 3]``.
@@ -251,7 +271,7 @@ class Eagle3Config(PreTrainedConfig):
             raise ValueError(
                 f"feature_layer_ids {ids} are out of range for a target with {n} decoder layers (valid: 0..{n - 1}, "
                 "index i = input of layer i). This draft was probably made for a deeper target; set "
-                "`draft.config.feature_layer_ids` to three valid indices, or use the draft's own target."
+                "`draft.config.feature_layer_ids` to valid indices, or use the draft's own target."
             )
         return list(ids)
 

@@ -150,14 +150,14 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
 
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
-        h, t = config.hidden_size, config.target_hidden_size
+        h, t, f = config.hidden_size, config.target_hidden_size, config.num_feature_layers
         if config.has_embed_tokens:
             self.embed_tokens = nn.Embedding(config.vocab_size, h)
         if config.norm_before_fc:
-            self.input_norm = Eagle3RMSNorm(3 * t, config.rms_norm_eps)
+            self.input_norm = Eagle3RMSNorm(f * t, config.rms_norm_eps)
         if config.fc_norm:
-            self.fc_norm = nn.ModuleList([Eagle3RMSNorm(t, config.rms_norm_eps) for _ in range(3)])
-        self.fc = nn.Linear(3 * t, h, bias=False)
+            self.fc_norm = nn.ModuleList([Eagle3RMSNorm(t, config.rms_norm_eps) for _ in range(f)])
+        self.fc = nn.Linear(f * t, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = Eagle3RMSNorm(h, config.rms_norm_eps)
         if config.has_lm_head:
@@ -366,14 +366,16 @@ class Eagle3DraftModel(Eagle3PreTrainedModel):
         Fuse target features into draft hidden states (optional norms, then ``fc``).
 
         Args:
-            features (`torch.Tensor` [B, n, 3T]): captured target hidden states, low -> mid -> high.
+            features (`torch.Tensor` [B, n, F*T]): captured target hidden states, lowest layer first
+                (F = ``config.num_feature_layers``, 3 in EAGLE-3).
 
         Returns:
             `torch.Tensor` [B, n, H].
         """
         features = features.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
         if hasattr(self, "fc_norm"):
-            features = torch.cat([n(f) for n, f in zip(self.fc_norm, features.chunk(3, dim=-1))], dim=-1)
+            features = torch.cat([n(f) for n, f in zip(self.fc_norm, features.chunk(len(self.fc_norm), dim=-1))],
+                                 dim=-1)
         if hasattr(self, "input_norm"):
             features = self.input_norm(features)
         return self.fc(features)

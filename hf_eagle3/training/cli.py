@@ -185,6 +185,9 @@ def _check_train_options(args) -> str:
     if args.lk_weight is not None and args.loss != "mixed":
         raise SystemExit(f"--lk-weight {args.lk_weight:g} weighs the acceptance term of --loss mixed; this run has "
                          f"--loss {args.loss}: drop --lk-weight, or pass --loss mixed.")
+    if args.feature_layers is not None and args.init_draft:
+        raise SystemExit(f"--feature-layers {args.feature_layers} sets the layers of a new draft; --init-draft continues "
+                         "a draft that reads its own: drop one of them.")
     select_by = args.select_by or ("holdout" if args.holdout_shards else "last")
     if args.accumulate < 1:
         raise SystemExit(f"--accumulate {args.accumulate}: give the batches per optimiser step, >= 1.")
@@ -217,7 +220,7 @@ def _cache_features(args, records: list, features_dir: Path) -> None:
     print(line)
     print("loading the target for the feature pass ...", file=sys.stderr, flush=True)
     target, _ = load_target(args.target, dtype, device=device, tokenizer="none")
-    layer_ids = default_feature_layer_ids(len(find_decoder_layers(target)))
+    layer_ids = default_feature_layer_ids(len(find_decoder_layers(target)), args.feature_layers or 3)
     cache_features(target, records, features_dir, layer_ids, per_shard=args.per_shard, batch_size=args.feature_batch,
                    max_prompt_tokens=args.max_prompt_context, complete_shards_only=args.complete_shards_only)
 
@@ -260,6 +263,10 @@ def _new_draft(args, state, out: Path, features_dir: Path, head: dict, all_recor
     d2t, t2d = torch.load(vocab_file)
     meta = features_dir / "meta.json"
     layer_ids = json.loads(meta.read_text()).get("layer_ids") if meta.exists() else None
+    if layer_ids and args.feature_layers is not None and len(layer_ids) != args.feature_layers:
+        raise SystemExit(f"--feature-layers {args.feature_layers}: the features in {features_dir} were captured at "
+                         f"{len(layer_ids)} layers ({layer_ids}). Give another --features-dir (or --out) for new "
+                         "features, or drop --feature-layers.")
     overrides = {"feature_layer_ids": list(layer_ids)} if layer_ids else {}  # the layers the features come from
     return init_draft(draft_config_for_target(head["config"], args.draft_vocab_size, **overrides), head, d2t, t2d)
 

@@ -69,7 +69,7 @@ def cache_features(
         target: the target model (any decoder whose layers :func:`find_decoder_layers` finds).
         records: ``{"prompt_ids", "response_ids"}`` dicts (from :mod:`hf_eagle3.training.prepare`).
         out_dir: output directory (``shard-*.pt``, ``target_head.pt``, ``meta.json``).
-        layer_ids: the draft's three capture indices (input of layer i).
+        layer_ids: the draft's capture indices (input of layer i; three in EAGLE-3, or more).
         per_shard: records per shard.
         batch_size: sequences per target forward (right padded).
         max_length: sequences are cut to this many tokens.
@@ -82,6 +82,12 @@ def cache_features(
         The shard paths, in order.
     """
     out = Path(out_dir)
+    meta = out / "meta.json"
+    if meta.exists() and any(out.glob("shard-*.pt")):
+        written = json.loads(meta.read_text()).get("layer_ids")
+        if written is not None and list(written) != list(layer_ids):
+            raise ValueError(f"{out} holds features of target layers {written}; this pass captures {list(layer_ids)}. "
+                             "Give another --features-dir (or --out), or keep the layers the features have.")
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "target_head.pt").exists():
         save_target_head(target, out)

@@ -143,7 +143,7 @@ def init_draft(config: Eagle3Config, head: dict, d2t: torch.Tensor, t2d: torch.T
         t, h = config.target_hidden_size, config.hidden_size
         if t == h:
             draft.fc.weight.zero_()
-            draft.fc.weight[:, 2 * t :] = torch.eye(h)
+            draft.fc.weight[:, (config.num_feature_layers - 1) * t :] = torch.eye(h)
     return draft
 
 
