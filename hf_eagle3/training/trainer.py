@@ -383,8 +383,8 @@ class _TrainingRun:
             return
         state = torch.load(self.ckpt, weights_only=False)
         layout = self._layout()
-        saved = {"freeze_head": False, **state.get("layout", {"processes": self.world, "accumulate": 1,
-                                                                "fsdp": False})}
+        saved = state.get("layout", {"processes": self.world, "accumulate": 1, "fsdp": False})
+        saved = {**saved, "freeze_head": saved.get("freeze_head", False)}  # checkpoints older than --freeze-head
         if saved != layout:  # the optimiser's state holds what was trained: the head's too, or not
             raise ValueError(f"{self.ckpt} was written by a run with {saved}; this one has {layout}. Resume with the "
                              "same number of processes, --accumulate, --fsdp and --freeze-head, or start in a new "

@@ -78,7 +78,7 @@ def test_ddp_and_fsdp_on_two_processes_follow_one_process_accumulating_their_bat
     assert state["seen"] == []
     for k, v in one.state_dict().items():
         torch.testing.assert_close(state["state"][k], v, rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="Resume with the same number of processes, --accumulate and --fsdp"):
+    with pytest.raises(ValueError, match="Resume with the same number of processes, --accumulate, --fsdp and --freeze-head"):
         train(make_draft(feats, 0), feats, tmp_path / "fsdp", config(0, "last"), log=lambda s: None)
 
 
