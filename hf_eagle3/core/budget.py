@@ -60,9 +60,9 @@ PLAIN = RoundPlan(0, 1, 0)
 
 # The most a call's drafted rounds may lose, all together, against plain steps, as a fraction of the call's time in
 # plain steps (its new tokens): what is left of the floor (a call >= 0.95x plain `generate`) after the timing's own
-# spread (+-3 % between runs of the same call on a 2-core CPU). At 0.03 the first call after loading still ran 0.947x
-# plain with a cost table (median of 6, docs/bench_results/2026-12-07_first_calls_allowance_float32.json); measured
-# at 0.02: docs/bench_results/2026-12-07_first_calls_allowance2_{no,with}_table_float32.json.
+# spread (+-3 % between runs of the same call on a 2-core CPU). At 0.03 the first call after loading ran 0.947x plain
+# with a cost table (median of 6: docs/bench_results/2026-12-07_first_calls_allowance_with_table_float32.json); at
+# 0.02, with rounds cut to fit, 0.96x and 0.97x without a table (2026-12-07_first_calls_fit_*_float32.json).
 MAX_LOSS = 0.02
 PLAIN_SMOOTHING = 0.2  # exponential smoothing of the plain rounds' seconds, the price of a token (about 5 rounds)
 
