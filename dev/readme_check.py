@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import re
 import subprocess
 import sys
@@ -35,6 +36,15 @@ def main() -> int:
     install, snippet = block(readme, "Install", "bash"), block(readme, "Use", "python")
     work = args.keep or Path(tempfile.mkdtemp(prefix="hf_eagle3_readme_"))
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        return _check(work, install, snippet)
+    finally:
+        if not args.keep:  # several GB (torch): never left behind, also when a step fails or is interrupted
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _check(work: Path, install: str, snippet: str) -> int:
+    """Install with ``install`` into a fresh venv and home under ``work``, then run ``snippet`` from that home."""
     venv, home = work / "venv", work / "home"
     home.mkdir(exist_ok=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
