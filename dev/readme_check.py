@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
