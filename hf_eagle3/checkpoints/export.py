@@ -246,12 +246,12 @@ def export_flat(draft, out_dir: str | os.PathLike, dtype=None) -> Path:
         `Path`: ``out_dir``.
     """
     draft = as_draft(draft)
-    check_three_layers(draft, "flat")
+    state = _state_dict(draft, parse_dtype(dtype))
+    config = flat_config(draft, _dtype_name(state))  # refuses what the layout cannot hold, before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = _state_dict(draft, parse_dtype(dtype))
     _save_safetensors(state, out)
-    _write_json(out / "config.json", flat_config(draft, _dtype_name(state)))
+    _write_json(out / "config.json", config)
     _write_generation_config(draft, out)
     return out
 
@@ -301,8 +301,9 @@ def export_speculators(
         `Path`: ``out_dir``.
     """
     draft = as_draft(draft)
-    check_three_layers(draft, "speculators")
     state = _state_dict(draft, parse_dtype(dtype))
+    # refuses what the layout cannot hold, before anything is written (embed_tokens, added below, has this dtype)
+    config = speculators_config(draft, num_speculative_tokens, _dtype_name(state))
     if "embed_tokens.weight" not in state:
         if target is not None:
             draft.bind_target(target)  # checks that the draft fits the target before anything is written
@@ -317,7 +318,6 @@ def export_speculators(
                 "not; pass the target (`hf-eagle3 export --target TARGET`, or target= / a bound draft) to include it.",
                 stacklevel=2,
             )
-    config = speculators_config(draft, num_speculative_tokens, _dtype_name(state))
     state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

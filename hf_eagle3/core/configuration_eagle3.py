@@ -123,9 +123,9 @@ def default_feature_layer_ids(num_target_layers: int, count: int = FEATURE_LAYER
 
 class Eagle3Config(PreTrainedConfig):
     r"""
-    Configuration of an EAGLE-3 draft model: one Llama-style decoder layer that reads three (or, with
-    ``feature_layer_ids`` listing more, more) hidden states of a target model (fused by ``fc``) together with the embedding of the next token, and predicts over a (smaller) draft
-    vocabulary that ``d2t`` maps onto the target vocabulary.
+    Configuration of an EAGLE-3 draft model: one Llama-style decoder layer that reads three hidden states of a target
+    model (more where ``feature_layer_ids`` lists more; fused by ``fc``) together with the embedding of the next token,
+    and predicts over a (smaller) draft vocabulary that ``d2t`` maps onto the target vocabulary.
 
     Args:
         vocab_size (`int`): size of the TARGET vocabulary (the draft's token ids are target ids).

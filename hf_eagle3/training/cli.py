@@ -186,8 +186,8 @@ def _check_train_options(args) -> str:
         raise SystemExit(f"--lk-weight {args.lk_weight:g} weighs the acceptance term of --loss mixed; this run has "
                          f"--loss {args.loss}: drop --lk-weight, or pass --loss mixed.")
     if args.feature_layers is not None and args.init_draft:
-        raise SystemExit(f"--feature-layers {args.feature_layers} sets the layers of a new draft; --init-draft continues "
-                         "a draft that reads its own: drop one of them.")
+        raise SystemExit(f"--feature-layers {args.feature_layers} sets the layers of a new draft; --init-draft "
+                         "continues a draft that reads its own: drop one of them.")
     select_by = args.select_by or ("holdout" if args.holdout_shards else "last")
     if args.accumulate < 1:
         raise SystemExit(f"--accumulate {args.accumulate}: give the batches per optimiser step, >= 1.")
@@ -211,7 +211,7 @@ def _read_records(args) -> tuple[list, list]:
 
 def _cache_features(args, records: list, features_dir: Path) -> None:
     """The feature pass: load the target and cache its features of ``records`` in ``features_dir`` (resumable)."""
-    from ..core.configuration_eagle3 import default_feature_layer_ids
+    from ..core.configuration_eagle3 import FEATURE_LAYERS, default_feature_layer_ids
     from ..core.feature_capture import find_decoder_layers
     from .features import cache_features
 
@@ -220,7 +220,7 @@ def _cache_features(args, records: list, features_dir: Path) -> None:
     print(line)
     print("loading the target for the feature pass ...", file=sys.stderr, flush=True)
     target, _ = load_target(args.target, dtype, device=device, tokenizer="none")
-    layer_ids = default_feature_layer_ids(len(find_decoder_layers(target)), args.feature_layers or 3)
+    layer_ids = default_feature_layer_ids(len(find_decoder_layers(target)), args.feature_layers or FEATURE_LAYERS)
     cache_features(target, records, features_dir, layer_ids, per_shard=args.per_shard, batch_size=args.feature_batch,
                    max_prompt_tokens=args.max_prompt_context, complete_shards_only=args.complete_shards_only)
 

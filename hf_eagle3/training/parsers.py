@@ -15,7 +15,8 @@ LOSS_KINDS = ("ce", "lk", "mixed")  # hf_eagle3.training.ttt.LOSS_KINDS (not imp
 
 
 def _at_least_three(text: str) -> int:
-    """argparse type: an integer >= 3 (target layers an EAGLE-3 draft reads)."""
+    """argparse type: an integer >= 3 (target layers an EAGLE-3 draft reads: ``configuration_eagle3.FEATURE_LAYERS``,
+    not imported: it imports Transformers)."""
     try:
         value = int(text)
     except ValueError:
@@ -170,8 +171,8 @@ def add_train_parser(subparsers):
                    help="with --loss mixed: weight of the acceptance term (default 1.0)")
     t.add_argument("--feature-layers", type=_at_least_three, default=None,
                    help="target layers a new draft reads (default 3, EAGLE-3's [2, N // 2, N - 3]; more are spread "
-                        "evenly from layer 2 to N - 3). SGLang, vLLM and OpenVINO GenAI read exactly 3: a draft on more "
-                        "exports only natively (--format native, --remote-code)")
+                        "evenly from layer 2 to N - 3). SGLang, vLLM and OpenVINO GenAI read exactly 3: a draft on "
+                        "more exports only natively (--format native, --remote-code)")
     t.add_argument("--freeze-head", action="store_true",
                    help="keep the draft's lm_head as it starts (the target's rows of the draft vocabulary, or "
                         "--init-draft's) and train the layer and fc only; with --draft-vocab-size set to the target's "
