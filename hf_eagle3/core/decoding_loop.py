@@ -56,7 +56,7 @@ from .target_cache import (
     tree_attention_mask,
 )
 from .transformers_compat import compiled_graphs, eos_token_ids, round_forward
-from .tree_candidates import DraftTree, candidate_ranking
+from .tree_candidates import DraftTree
 from .transfers import to_device
 
 COMPACT_SLACK = 32  # compact the target cache when it is this many entries longer than twice the longest row
@@ -211,6 +211,7 @@ class _Round:
     drafted_at: object = None  # mark after the trees' selection
     ended: object = None  # mark after the verification, just before the read-back
     ranking: object = None  # a budget that needs it: candidate_ranking's probabilities and frontier masses (device, then host)
+    graphs: int | None = None  # graphs compiled in the process when the round started (when rounds may compile)
 
 
 class _Loop:
@@ -247,9 +248,6 @@ class _Loop:
         self.static = is_static_cache(self.cache)
         self.forward, compiled = round_forward(model, model_kwargs, generation_config) if self.static else (model, False)
         self.compiled = compiled
-        if compiled:  # one graph per (rows, width): room for them beside plain decoding's and Transformers' chains'
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_FORWARD)
-        self.compiling = False  # the latest round's forward compiled a graph (its time is the compiler's)
         if compiled and not isinstance(self.capture, Eagle3OutputFeatures):
             # Hooks cannot tell threads apart inside a compiled forward: every forward of the call returns its
             # features as hidden states instead (on releases that return all of them, the prefill's too: the cost
@@ -279,6 +277,12 @@ class _Loop:
         # the draft cache holds the longest row and one round's tree
         capacity = generation_config.max_length + budget.depth * budget.top_k + budget.depth + 2
         self.drafter = drafter_class(self.draft_model, input_ids.shape[0], capacity)
+        # Rounds may compile graphs (the target's forward per rows and width, the draft's per bucket): room for them
+        # beside plain decoding's and Transformers' chains', and such a round is not timed (its seconds are the
+        # compiler's).
+        self.watch_graphs = compiled or self.drafter.compiled
+        if self.watch_graphs:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_FORWARD)
         self.run = _Run(self.draft_model, budget)
         call.generator = self.run
         self.stopwatch = Stopwatch(input_ids.device) if budget.timed else None
@@ -356,20 +360,17 @@ class _Loop:
         """
         drafter, batch = self.drafter, self.batch
         feed = round(sum(drafter.num_pending(b) for b in range(len(self.rows))) / len(self.rows))
-        one = _Round(None, None, feed, started=self._mark())
+        one = _Round(None, None, feed, started=self._mark(),
+                     graphs=compiled_graphs() if self.watch_graphs else None)
         one.plan = plan = self.budget.plan(batch, feed, room=max(batch.remaining) - 1)
         roots = to_device([row.ids[-1] for row in self.rows], drafter.device)
         if not plan.drafts:  # a plain step for the batch; the feed waits
             one.trees = [DraftTree.root_only(roots[b : b + 1]) for b in range(roots.shape[0])]
             one.drafted_at = one.started
             return one
-        drafter.feed()
-        one.fed_at = self._mark()
-        candidates = drafter.expand(plan.depth, plan.top_k)
-        one.levels = candidates[4]
-        one.trees = drafter.select(candidates, roots, plan.total)
-        if self.budget.needs_ranking:
-            one.ranking = candidate_ranking(candidates)
+        drafted = drafter.draft_round(roots, plan.depth, plan.top_k, plan.total, self.budget.needs_ranking,
+                                      mark=self._mark)
+        one.trees, one.levels, one.ranking, one.fed_at = drafted.trees, drafted.levels, drafted.ranking, drafted.fed_at
         one.drafted_at = self._mark()
         return one
 
@@ -437,10 +438,8 @@ class _Loop:
         depths = torch.stack([_padded(t.depths.to(device), width) if t is not None else blank for t in placed])
         mask = static_tree_mask(self.valid, [t.ancestors if t is not None else None for t in placed], width,
                                 pool.capacity, self.dtype)
-        graphs = compiled_graphs() if self.compiled else None
         outputs = self.capture.forward(self.forward, input_ids=tokens, position_ids=self.positions[:, None] + depths,
                                        attention_mask=mask, use_cache=True, **{self.cache_key: self.cache})
-        self.compiling = graphs is not None and compiled_graphs() != graphs  # this forward compiled a graph
         pool.wrote(width)
         logits, features = outputs.logits[:, :nodes], self._features()
         if len(self.rows) < len(placed):  # the unfinished rows, in their order
@@ -561,14 +560,17 @@ class _Loop:
             return
         seconds = watch.seconds(self.round_from if self.round_from is not None else one.started, one.ended)
         self.round_from = one.ended
-        if self.compiling:  # a round that compiled its forward's graph is not a measure of the round's cost
+        if one.graphs is not None and compiled_graphs() != one.graphs:  # it compiled a graph: not the round's cost
             return
         drafts = one.plan.drafts
+        draft_seconds = watch.seconds(one.started, one.drafted_at) if drafts else 0.0
+        # A captured round's feed is one of its forwards: its share of the round's drafting seconds.
+        feed_seconds = (watch.seconds(one.started, one.fed_at) if one.fed_at is not None
+                        else draft_seconds / max(one.levels, 1)) if drafts else 0.0
         self.budget.observe(RoundOutcome(
             one.plan, depths, [len(path) - 1 for path in kept], one.feed, one.trees[0].tokens.shape[0], seconds,
             verify_seconds=watch.seconds(one.drafted_at, one.ended),
-            draft_seconds=watch.seconds(one.started, one.drafted_at) if drafts else 0.0,
-            feed_seconds=watch.seconds(one.started, one.fed_at) if drafts else 0.0,
+            draft_seconds=draft_seconds, feed_seconds=feed_seconds,
             levels=one.levels, ranking=one.ranking, batch=self.batch))
 
     def output(self, output_class):

@@ -207,6 +207,29 @@ class Eagle3RowCache:
         columns = torch.arange(start, start + n, device=mask.device)
         self._columns, self._mask = columns[None].expand(mask.shape[0], n), mask
 
+    def place(self, columns: torch.LongTensor, mask: torch.BoolTensor) -> None:
+        """
+        Static cache: the next forward writes row ``b``'s entries at ``columns[b]`` and attends with ``mask`` over the
+        full capacity; nothing is read or kept on the host (a captured drafting round calls it, see
+        :mod:`~hf_eagle3.core.draft_round`; the caller keeps :attr:`length` up to date).
+
+        Args:
+            columns (`torch.LongTensor` [B, n]): per-row columns.
+            mask (`torch.BoolTensor` [B, 1, n, capacity]): True = attend.
+        """
+        self._columns, self._mask = columns, mask
+
+    def take_buffers(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        """
+        Static cache: take the pooled buffers now (a captured round must find them taken).
+
+        Args:
+            kv_heads (`int`), head_dim (`int`): the draft's key/value heads and head size.
+            dtype (`torch.dtype`), device: the draft's.
+        """
+        if self.keys is None:
+            self._take_static(torch.empty(self.rows, kv_heads, 0, head_dim, dtype=dtype, device=device))
+
     def crop(self, length: int) -> None:
         """Forget the columns from ``length`` on (the speculative region of the last round).
 

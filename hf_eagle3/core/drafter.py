@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from .draft_cache import Eagle3RowCache, static_capacity
-from .transfers import to_device
+from .draft_round import draft_round, feed_width, nodes_kept
 from .draft_steps import batch_tree_level, standard_strides
 from .logits_process import Eagle3D2TLogitsProcessor
-from .tree_candidates import grow_candidates, select_trees
+from .transfers import to_device
+from .tree_candidates import candidate_ranking, grow_candidates, select_trees, trees_from
 
 
 def take_positions(values: torch.Tensor, index: torch.LongTensor) -> torch.Tensor:
@@ -31,6 +34,23 @@ def take_positions(values: torch.Tensor, index: torch.LongTensor) -> torch.Tenso
     return values.gather(1, index[..., None].expand(-1, -1, values.shape[-1]))
 
 
+@dataclass
+class DraftedRound:
+    """What a drafting round hands to the verify.
+
+    Args:
+        trees (`list[DraftTree]`): one per row.
+        levels (`int`): the levels expanded (the feed's forward counts as the first).
+        ranking (`torch.DoubleTensor` [2, M] or `None`): the candidates' ranking, when asked for.
+        fed_at (*optional*): the caller's mark after the feed (``None`` when the feed ran inside a captured round).
+    """
+
+    trees: list
+    levels: int
+    ranking: object = None
+    fed_at: object = None
+
+
 class Eagle3Drafter:
     r"""
     Drafts a tree (or a chain) for every row of a batch, with one draft forward per step for the whole batch.
@@ -40,7 +60,8 @@ class Eagle3Drafter:
     :class:`~hf_eagle3.core.draft_cache.Eagle3RowCache`). :meth:`expand` then grows every row's candidates level by
     level (``top_k`` frontier nodes per row, one forward per level, a shared region of the cache after the longest
     row), and :meth:`select` keeps each row's best ``total`` candidates, closed under parents. Nothing in it reads a
-    value back to the host.
+    value back to the host. :meth:`draft_round` runs the three; when the draft's compile config asks for static steps
+    it runs them as one captured region instead (:func:`~hf_eagle3.core.draft_round.draft_round`).
 
     Args:
         draft (`Eagle3DraftModel`): the draft, bound to the target.
@@ -54,14 +75,22 @@ class Eagle3Drafter:
         self.device, self.dtype = draft.fc.weight.device, draft.fc.weight.dtype
         self.window = draft.config.draft_sliding_window
         static = draft.static_steps()  # compiled with static shapes: one capacity per size bucket, pooled buffers
-        self.cache = Eagle3RowCache(rows, static_capacity(capacity) if static else capacity, self.window,
+        # Static: one more column, the trash column of a captured round's padded feed.
+        self.cache = Eagle3RowCache(rows, static_capacity(capacity + 1) if static else capacity, self.window,
                                     static_buffers=draft.static_kv_buffers if static else None)
+        self.whole_round = draft.step_call(draft_round) if static else None  # each round one compiled region
+        self.buckets = set()  # the captured rounds' shapes this call used (rows, feed width, depth, top-k, nodes, ranking)
         self.d2t = Eagle3D2TLogitsProcessor(draft.d2t, draft.config.vocab_size)
         self.fed = [0] * rows  # positions of each row in the draft cache (host ints: known from the accepted counts)
         self._fed = torch.zeros(rows, dtype=torch.long, device=self.device)  # the same, on the device
         self._pending = []  # blocks (features [B, w, 3T], tokens [B, w], counts list[int]) not fed yet
         self._hidden = None  # [B, 1, H]: each row's output at its last fed position
         self._logits = None  # [B, draft_vocab]: the scores there
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the drafting runs compiled (the draft's compile config): its rounds may compile graphs."""
+        return self.step is not batch_tree_level
 
     @property
     def rows(self) -> int:
@@ -111,6 +140,10 @@ class Eagle3Drafter:
         """
         features, tokens, counts = self._merged()
         self._pending = []
+        self._feed_block(features, tokens, counts)
+
+    def _feed_block(self, features: torch.Tensor, tokens: torch.LongTensor, counts: list) -> None:
+        """:meth:`feed` of one merged block."""
         rows, width = tokens.shape
         start = max(self.fed)
         self.cache.crop(start)
@@ -169,6 +202,66 @@ class Eagle3Drafter:
             `list[DraftTree]`: one per row, each of ``min(total, M) + 1`` nodes.
         """
         return select_trees(candidates, roots, total, self.d2t)
+
+    def draft_round(self, roots: torch.LongTensor, depth: int, top_k: int, total: int, ranking: bool = False,
+                    mark=None) -> DraftedRound:
+        """
+        A round's drafting: :meth:`feed`, :meth:`expand` and :meth:`select`, or, when the draft's compile config asks
+        for static steps, the same as one captured region (the feed padded to a bucket's width; a feed wider than
+        every bucket runs eagerly first). Both draft the same trees.
+
+        Args:
+            roots (`torch.LongTensor` [B]): each row's last token.
+            depth (`int`): levels of the trees (>= 1).
+            top_k (`int`): children per expanded node, and frontier width.
+            total (`int`): nodes to keep per row besides the root.
+            ranking (`bool`): also return the candidates' ranking (for ``tree_total_tokens="auto"``).
+            mark (`Callable`, *optional*): called after an eager feed; its result is ``fed_at``.
+
+        Returns:
+            `DraftedRound`.
+        """
+        if self.whole_round is None:
+            self.feed()
+            fed_at = mark() if mark is not None else None
+            candidates = self.expand(depth, top_k)
+            return DraftedRound(self.select(candidates, roots, total), candidates[4],
+                                candidate_ranking(candidates) if ranking else None, fed_at)
+        return self._captured_round(roots, depth, top_k, total, ranking)
+
+    def _captured_round(self, roots, depth: int, top_k: int, total: int, ranking: bool) -> DraftedRound:
+        """:meth:`draft_round` as one compiled region (see :mod:`~hf_eagle3.core.draft_round`)."""
+        config = self.draft.config
+        self.cache.take_buffers(config.num_key_value_heads, config.head_dim, self.dtype, self.device)
+        k = min(top_k, config.draft_vocab_size)
+        candidates = k + (depth - 1) * k * k
+        feed = {}
+        if self._pending:
+            features, tokens, counts = self._merged()
+            self._pending = []
+            width = feed_width(tokens.shape[1], depth)
+            if width is None:  # wider than every bucket: fed eagerly, the region starts from its output
+                self._feed_block(features, tokens, counts)
+            else:
+                pad = width - tokens.shape[1]
+                counts_device = to_device(counts, self.device)
+                feed = dict(features=torch.nn.functional.pad(features, (0, 0, 0, pad)),
+                            tokens=torch.nn.functional.pad(tokens, (0, pad)), counts=counts_device)
+                self.fed = [f + c for f, c in zip(self.fed, counts)]
+        fed = self._fed
+        if feed:
+            self._fed = self._fed + feed["counts"]
+        else:
+            feed = dict(hidden=self._hidden, logits=self._logits)
+        nodes = nodes_kept(total, candidates)
+        self.buckets.add((self.rows, feed["tokens"].shape[1] if "tokens" in feed else 0, depth, k, nodes, ranking))
+        planes, ranks = self.whole_round(self.draft, cache=self.cache, d2t=self.d2t, fed=fed, roots=roots,
+                                         depth=depth, top_k=k, nodes=nodes, ranking=ranking, **feed)
+        self._hidden = self._logits = None  # the next round feeds first
+        start = max(self.fed)
+        self.cache.length = start + depth * k
+        n = min(total, candidates)
+        return DraftedRound(trees_from(planes, n, min(n, depth)), depth, ranks)
 
     def keep_rows(self, keep: list) -> None:
         """

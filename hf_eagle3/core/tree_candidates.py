@@ -99,7 +99,7 @@ def grow_candidates(logits: torch.Tensor, hidden: torch.Tensor, depth: int, top_
 def select_trees(candidates, roots: torch.LongTensor, total: int, d2t) -> list:
     """
     Keep each row's ``total`` best candidates (closed under parents: see :func:`ranking_key`) and
-    build its tree around its root.
+    build its tree around its root (:func:`select_nodes`, split per row).
 
     Args:
         candidates: what :func:`grow_candidates` returned.
@@ -110,26 +110,61 @@ def select_trees(candidates, roots: torch.LongTensor, total: int, d2t) -> list:
     Returns:
         `list[DraftTree]`: one per row, each of ``min(total, M) + 1`` nodes.
     """
+    n = min(int(total), candidates[0].shape[1])
+    return trees_from(select_nodes(candidates, roots, n, d2t), n, min(n, candidates[4]))
+
+
+def select_nodes(candidates, roots: torch.LongTensor, n: int, d2t) -> tuple:
+    """
+    Each row's ``n`` best candidates as tree planes, best first: node ``i`` ranks above node ``i + 1``, so a parent
+    (which ranks above its children) comes before them, and the first ``m + 1`` nodes are the tree of the ``m``
+    best for any ``m <= n`` (equal keys keep the candidates' level order, so the choice among them does not depend on
+    ``n``). Only tensors: it runs inside a captured drafting round too.
+
+    Args:
+        candidates: what :func:`grow_candidates` returned (``M`` candidates per row).
+        roots (`torch.LongTensor` [B]): each row's last token.
+        n (`int`): nodes to keep per row besides the root (``<= M``).
+        d2t (`Eagle3D2TLogitsProcessor`): maps draft ids to target ids.
+
+    Returns:
+        ``(tokens [B, n + 1], parents [B, n + 1], depths [B, n + 1], ancestors [B, n + 1, n + 1], scores [B, n])``:
+        target ids (the root first), parent numbers, depths, ancestor masks, cumulative draft log-probabilities.
+    """
     scores, ids, parents, depths, levels = candidates
     rows, device = scores.shape[0], scores.device
     key = ranking_key(scores, depths)
-    n = min(int(total), key.shape[1])
-    chosen = key.topk(n, dim=-1).indices.sort(dim=-1).values  # [B, n], level order: parents first
+    chosen = key.sort(dim=-1, descending=True, stable=True).indices[:, :n]  # [B, n], best first
     order = torch.arange(1, n + 1, device=device).expand(rows, n)
     number = torch.zeros(rows, key.shape[1] + 1, dtype=torch.long, device=device).scatter(1, chosen + 1, order)
     zero = torch.zeros(rows, 1, dtype=torch.long, device=device)
     tree_parents = torch.cat([zero, number.gather(1, parents.gather(1, chosen))], dim=1)
     tree_depths = torch.cat([zero, depths[chosen]], dim=1)
     tokens = torch.cat([roots.view(rows, 1).to(device), d2t.map_tokens(ids.gather(1, chosen))], dim=1)
-    max_depth = min(n, levels)
     ancestors = torch.eye(n + 1, dtype=torch.bool, device=device).repeat(rows, 1, 1)
     node = torch.arange(n + 1, device=device).expand(rows, n + 1)
-    for _ in range(max_depth):
+    for _ in range(min(n, levels)):
         node = tree_parents.gather(1, node)
         ancestors.scatter_(2, node[..., None], True)
-    chosen_scores = scores.gather(1, chosen)
-    return [DraftTree(tokens[b], tree_parents[b], tree_depths[b], ancestors[b], chosen_scores[b], max_depth)
-            for b in range(rows)]
+    return tokens, tree_parents, tree_depths, ancestors, scores.gather(1, chosen)
+
+
+def trees_from(planes: tuple, n: int, max_depth: int) -> list:
+    """
+    One :class:`DraftTree` per row from :func:`select_nodes`' planes, cut to the ``n`` best nodes besides the root
+    (views: no copy, no kernel).
+
+    Args:
+        planes (`tuple`): what :func:`select_nodes` returned (``n`` or more nodes besides the root).
+        n (`int`): nodes to keep besides the root.
+        max_depth (`int`): an upper bound of the trees' depths (the expansion levels, at most ``n``).
+
+    Returns:
+        `list[DraftTree]`: one per row.
+    """
+    tokens, parents, depths, ancestors, scores = planes
+    return [DraftTree(tokens[b, : n + 1], parents[b, : n + 1], depths[b, : n + 1], ancestors[b, : n + 1, : n + 1],
+                      scores[b, :n], max_depth) for b in range(tokens.shape[0])]
 
 
 def ranking_key(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from conftest import random_prompt, tiny_draft, tiny_target
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
-from hf_eagle3.core import candidate_generator, draft_length_policy, tree_policy
+from hf_eagle3.core import candidate_generator, decoding_loop, draft_length_policy, tree_policy
 from hf_eagle3.core import drafter as drafter_module
 from hf_eagle3.core.draft_cache import Eagle3RowCache
 from hf_eagle3.core.draft_state import Eagle3DraftState
@@ -66,10 +66,25 @@ def proposals(monkeypatch):
         monkeypatch.setattr(owner, name, wrapped)
 
     record(candidate_generator.Eagle3CandidateGenerator, "get_candidates", lambda r: r[0].tolist())
-    record(drafter_module.Eagle3Drafter, "select",
-           lambda trees: [(t.tokens.tolist(), t.parents.tolist()) for t in trees])
+    record(drafter_module.Eagle3Drafter, "draft_round",
+           lambda drafted: [(t.tokens.tolist(), t.parents.tolist()) for t in drafted.trees])
     record(Eagle3DraftModel, "step_call", lambda step: ("step", step in EAGER_STEPS))
     return seen
+
+
+@pytest.fixture
+def drafters(monkeypatch):
+    """The package loop's drafters that ran captured rounds, in order."""
+    made = []
+    original = drafter_module.Eagle3Drafter.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.whole_round is not None:
+            made.append(self)
+
+    monkeypatch.setattr(drafter_module.Eagle3Drafter, "__init__", init)
+    return made
 
 
 @pytest.fixture
@@ -89,6 +104,9 @@ def scripted_auto(monkeypatch):
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *batch: True)
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "levels", lambda self, frontier, most: most)
     monkeypatch.setattr(tree_policy.TreeSizeChooser, "first_nodes", lambda self, most: min(tree_policy.AUTO_FIRST, most))
+    # Every round observed, as in the eager run (a round that compiles a graph is otherwise left out of what the
+    # budget learns, which changes which of the scripted choices it asks for).
+    monkeypatch.setattr(decoding_loop, "compiled_graphs", lambda: 0)
 
 
 def run(target, draft, ids, config, proposals, **kwargs):
@@ -109,7 +127,7 @@ def run(target, draft, ids, config, proposals, **kwargs):
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
 @pytest.mark.parametrize("path", list(PATHS))
-def test_compiled_steps_draft_what_eager_steps_draft(pair, proposals, scripted_auto, path, kind):
+def test_compiled_steps_draft_what_eager_steps_draft(pair, proposals, scripted_auto, drafters, path, kind):
     target, draft = pair
     ids = random_prompt(9, seed=3)
     plain = target.generate(ids, do_sample=False, max_new_tokens=24)
@@ -120,10 +138,12 @@ def test_compiled_steps_draft_what_eager_steps_draft(pair, proposals, scripted_a
     assert torch.equal(eager, plain) and torch.equal(compiled, plain)
     assert len(eager_drafts) >= 5
     assert compiled_drafts == eager_drafts
-    # A longer call reuses the graphs: nothing is compiled per length (static: the same capacity bucket).
+    # A longer call reuses the graphs: nothing is compiled per length (static: the same capacity bucket; a captured
+    # round, which a static tree runs, compiles only for the shape buckets the shorter call did not use).
+    used = set(drafters[-1].buckets) if drafters else set()
     longer, _, more = run(target, draft, ids, CONFIGS[kind], proposals, max_new_tokens=48, **PATHS[path])
     assert torch.equal(longer, target.generate(ids, do_sample=False, max_new_tokens=48))
-    assert more == 0
+    assert more == len(drafters[-1].buckets - used) if drafters else more == 0
 
 
 def test_compiled_steps_run(pair):
@@ -192,9 +212,11 @@ def test_disable_compile_and_no_config_run_eager(pair):
 
 
 @pytest.mark.parametrize("path", ["chain", "tree"])
-def test_static_steps_compile_once_and_keep_their_buffers(pair, path):
+def test_static_steps_compile_once_and_keep_their_buffers(pair, drafters, path):
     """Static steps: one graph serves every step of a call (positions grow, shapes do not, no Python number is baked
-    in), and a second call reuses the first one's cache buffers (the same addresses, which CUDA graphs replay)."""
+    in), and a second call reuses the first one's cache buffers (the same addresses, which CUDA graphs replay). A tree
+    (the package's loop) runs each round as one captured region: one graph per shape bucket it uses (the feed's
+    width, and the depth, which shrinks in the last rounds), none for a bucket used before."""
     target, draft = pair
     ids = random_prompt(9, seed=8)
     torch.compiler.reset()
@@ -203,13 +225,15 @@ def test_static_steps_compile_once_and_keep_their_buffers(pair, path):
     try:
         counters.clear()
         first = target.generate(ids, do_sample=False, max_new_tokens=40, assistant_model=draft, **PATHS[path])
-        assert counters["stats"]["unique_graphs"] == 1
+        used = set(drafters[-1].buckets) if drafters else {"the chain step"}
+        assert counters["stats"]["unique_graphs"] == len(used)
+        assert len(used) <= 2 + PATHS[path].get("tree_depth", 0)  # the prompt's feed; the depths with theirs
         assert len(draft.static_kv_buffers) == 1
         buffers = [t.data_ptr() for t in next(iter(draft.static_kv_buffers.values()))]
         counters.clear()
         second = target.generate(random_prompt(12, seed=9), do_sample=False, max_new_tokens=30,
                                  assistant_model=draft, **PATHS[path])
-        assert counters["stats"]["unique_graphs"] == 0
+        assert counters["stats"]["unique_graphs"] == (len(drafters[-1].buckets - used) if drafters else 0)
         assert [t.data_ptr() for t in next(iter(draft.static_kv_buffers.values()))] == buffers
         assert len(draft.static_kv_buffers) == 1
     finally:
