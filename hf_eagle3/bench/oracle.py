@@ -106,15 +106,16 @@ TREE_SHAPES = ((4, 4, 8), (8, 6, 32))  # (tree_top_k, tree_depth, tree_total_tok
 def round_bound(costs, profile, k: int | None = None, tree: tuple | None = None, tree_depths=None) -> float:
     """
     The speed-up the cost model predicts for a chain of length ``k``, or for a ``(top_k, depth, total)`` tree whose
-    one path carries the profile (expected tokens from the depths its trees really had): expected tokens per round
-    over the round's cost in one-token target forwards.
+    main path carries the profile (expected tokens from the depths its trees really had, ``min(depth, total)`` when
+    the room left never cut them): expected tokens per round over the round's cost in one-token target forwards.
 
     Args:
         costs (`Eagle3Costs`): measured costs.
         profile (`tuple[float]`): per-position acceptance.
         k (`int`, *optional*): chain length.
         tree (`tuple[int, int, int]`, *optional*): tree shape.
-        tree_depths (`list[int]`, *optional*): the depth of each round's tree (default: the shape's depth).
+        tree_depths (`list[int]`, *optional*): the depth of each round's tree, its main path's (default: the
+            shape's, ``min(depth, total)``).
     """
     if tree is None:
         expected = expected_tokens(profile, k)
@@ -156,7 +157,7 @@ def run_oracle_bench(target, draft, prompts: list, profile, ks=(1, 2, 3, 4, 5, 6
 
     Returns:
         The report: ``settings``, ``costs``, ``rows`` (per strategy: speed-up, bound, acceptance, per-round times in
-        ms), ``identical`` and ``limited_by``.
+        ms; trees: the mean depth of the rounds' trees), ``identical`` and ``limited_by``.
     """
     device = target.device
     draft.bind_target(target)
@@ -292,6 +293,8 @@ def _oracle_rows(totals: dict, strategies: list[tuple], costs, profile) -> list[
             "bookkeeping_ms": 1000 * (total["seconds"] - total["draft"] - total["verify"]) / rounds,
             "stats": stats.to_dict(),
         }
+        if total["tree_depths"]:  # the rounds that drafted a tree
+            row["mean_tree_depth"] = sum(total["tree_depths"]) / len(total["tree_depths"])
         if k is not None or (shape is not None and shape[2] != "auto"):
             row["bound"] = round_bound(costs, profile, k=k, tree=shape, tree_depths=total["tree_depths"])
             row["measured_over_bound"] = row["speedup"] / row["bound"]

@@ -1,12 +1,14 @@
 """Oracle drafting: the draft's forwards run as usual, but what it proposes is the target's own greedy continuation,
 accepted for a length drawn each round from an acceptance profile (the first token past it is made wrong). Chains
-(:class:`OracleCandidateGenerator`) and trees (:class:`OracleTreeDrafter`); the output stays the target's.
-Used by ``hf-eagle3 bench --oracle`` (:mod:`hf_eagle3.bench.oracle`).
+(:class:`OracleCandidateGenerator`) and trees (:class:`OracleTreeDrafter`, whose candidates are scored by the profile:
+:func:`profile_scores`); the output stays the target's. Used by ``hf-eagle3 bench --oracle``
+(:mod:`hf_eagle3.bench.oracle`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 
@@ -22,6 +24,8 @@ PROFILES = {
     "perfect": (1.0,) * 8,
     "none": (0.0,),
 }
+FLOOR = 1e-6  # path probability of a main-path node that the profile never accepts (past its end, or a zero rate)
+OFF_PATH = 1e-3  # path probability of a node off the main path relative to its parent's (see `profile_scores`)
 
 
 def parse_profile(text: str) -> tuple[float, ...]:
@@ -69,6 +73,64 @@ def expected_tokens(profile, k: int) -> float:
     return 1.0 + sum(profile[:k])
 
 
+def profile_scores(parents: list, depths: list, profile) -> tuple[list, list]:
+    """
+    Scores for a round's tree candidates that carry ``profile``. The main path is the ancestry of the first candidate of
+    the deepest level (so it reaches every level); its node at depth ``d`` gets the path probability that the profile
+    accepts at least ``d`` tokens, ``profile[d - 1]`` (at least :data:`FLOOR`, never above its parent's). Every other
+    node gets :data:`OFF_PATH` times the smaller of its parent's path probability and the main path's last node's. So a
+    child never scores above its parent, every main-path node ranks above every other node (a tree of the ``total`` best
+    candidates holds the main path as deep as ``total`` and the levels allow), and the best path probabilities
+    (``candidate_ranking``, what ``tree_total_tokens="auto"`` sizes trees from) are the profile's.
+
+    Args:
+        parents (`list[int]`): [M] each candidate's parent (candidate numbers 1..M in level order, 0 = the root).
+        depths (`list[int]`): [M] each candidate's depth (>= 1).
+        profile (`tuple[float]`): per-position acceptance.
+
+    Returns:
+        ``(scores, main)``: the candidates' cumulative log-probabilities (`list[float]` [M]), and the main path's
+        candidate numbers from depth 1 down (`list[int]`).
+    """
+    main, node = [], 1 + max(range(len(depths)), key=lambda i: (depths[i], -i))
+    while node:
+        main.append(node)
+        node = parents[node - 1]
+    main.reverse()
+    scores, score = [0.0] * len(depths), 0.0
+    for depth, node in enumerate(main, start=1):
+        rate = profile[depth - 1] if depth <= len(profile) else 0.0
+        score = min(score, math.log(max(rate, FLOOR)))
+        scores[node - 1] = score
+    on_main, off = set(main), math.log(OFF_PATH)
+    for i, parent in enumerate(parents):  # level order: a parent is scored before its children
+        if i + 1 not in on_main:
+            scores[i] = min(scores[parent - 1] if parent else 0.0, score) + off
+    return scores, main
+
+
+def ranked_path(parents: list, scores: list) -> list:
+    """
+    The path that ranks first: from the root, at each node its best-scored child (the main path of
+    :func:`profile_scores`, among candidates or in a tree selected from them).
+
+    Args:
+        parents (`list[int]`): [M] each node's parent (node numbers 1..M, parents first, 0 = the root).
+        scores (`list[float]`): [M] their cumulative log-probabilities.
+
+    Returns:
+        `list[int]`: the path's node numbers from depth 1 down (empty without nodes).
+    """
+    children = [[] for _ in range(len(parents) + 1)]
+    for i, parent in enumerate(parents, start=1):
+        children[parent].append(i)
+    path, node = [], 0
+    while children[node]:
+        node = max(children[node], key=lambda i: (scores[i - 1], -i))
+        path.append(node)
+    return path
+
+
 class OracleCandidateGenerator(Eagle3CandidateGenerator):
     """
     :class:`~hf_eagle3.Eagle3CandidateGenerator` whose proposals are the target's greedy continuation (``reference``)
@@ -111,11 +173,13 @@ class OracleCandidateGenerator(Eagle3CandidateGenerator):
 
 class OracleTreeDrafter(Eagle3Drafter):
     """
-    :class:`~hf_eagle3.core.drafter.Eagle3Drafter` whose trees carry the target's greedy continuation
-    along one path (to the tree's first deepest node), right for a depth drawn each round from ``profile``; every
-    other node is wrong. So a tree accepts what a chain with the same profile accepts, at the tree's own cost (its
-    drafting and its verification of every node): the rows show what the tree machinery costs, not what a real tree
-    gains. One sequence (the bench's prompts run one at a time).
+    :class:`~hf_eagle3.core.drafter.Eagle3Drafter` whose candidates are scored by ``profile`` along a main path
+    (:func:`profile_scores`), so trees follow it as deep as their size allows and ``tree_total_tokens="auto"`` sizes
+    them from the profile's probabilities, and whose trees carry the target's greedy continuation along that path,
+    right for a depth drawn each round from ``profile``; every other node is wrong. So a tree accepts what a chain
+    as deep as its main path accepts with the same profile, at the tree's own cost (its drafting and its verification
+    of every node): the rows show what the tree machinery costs, not what a real tree gains. One sequence (the bench's
+    prompts run one at a time).
 
     Class attributes ``reference``, ``profile`` and ``rng`` are set by :func:`bind_oracle`.
     """
@@ -128,8 +192,9 @@ class OracleTreeDrafter(Eagle3Drafter):
         if rows != 1:
             raise ValueError(f"The oracle drafts one sequence (its reference); got a batch of {rows}.")
         super().__init__(draft, rows, capacity)
+        self.whole_round = None  # the oracle rewrites each round's trees on the host: it drafts step by step
         self.draft_seconds = 0.0
-        self.tree_depths = []  # depth of each round's tree (its shape follows the draft's scores)
+        self.tree_depths = []  # depth of each round's tree (its main path's)
 
     def _timed(self, method, *args, **kwargs):
         start = time.perf_counter()
@@ -143,24 +208,27 @@ class OracleTreeDrafter(Eagle3Drafter):
         return self._timed(super().feed)
 
     def expand(self, depth, top_k):
-        """Expand as usual (timed)."""
-        return self._timed(super().expand, depth, top_k)
+        """Expand as usual, then replace the candidates' scores by the profile's (:func:`profile_scores`; timed)."""
+        return self._timed(self._oracle_expand, depth, top_k)
 
     def select(self, candidates, roots, total):
         """Select as usual, then write the oracle's tokens into the tree (timed)."""
         return self._timed(self._oracle_select, candidates, roots, total)
 
+    def _oracle_expand(self, depth, top_k):
+        scores, ids, parents, depths, levels = super().expand(depth, top_k)
+        rescored, _ = profile_scores(parents[0].tolist(), depths.tolist(), self.profile)
+        scores = torch.tensor([rescored], dtype=scores.dtype, device=scores.device)
+        return scores, ids, parents, depths, levels
+
     def _oracle_select(self, candidates, roots, total):
         tree = super().select(candidates, roots, total)[0]
-        self.tree_depths.append(int(tree.max_depth))
-        accept = draw_acceptance(self.rng, self.profile)
         parents, depths = tree.parents.tolist(), tree.depths.tolist()
         tokens = tree.tokens.tolist()
+        main = set(ranked_path(parents[1:], tree.scores.tolist()))  # the main path that `_oracle_expand` scored
+        self.tree_depths.append(len(main))
+        accept = draw_acceptance(self.rng, self.profile)
         vocab = self.draft.config.vocab_size
-        main, node = set(), max(range(len(tokens)), key=lambda i: (depths[i], -i))  # the first deepest node
-        while node:
-            main.add(node)
-            node = parents[node]
         for i in range(1, len(tokens)):
             position = self.fed[0] + depths[i]  # the root is the last token, at position ``fed``
             right = self.reference[position] if position < len(self.reference) else tokens[i]

@@ -4,16 +4,29 @@ the cost-model bound beside the measured speed-up, synthetic targets of publishe
 from __future__ import annotations
 
 import json
+import math
 import random
+import time
 
 import pytest
 import torch
+from conftest import known_costs
 
 from hf_eagle3.bench.oracle import format_oracle_markdown, round_bound, run_oracle_bench
-from hf_eagle3.bench.oracle_drafting import PROFILES, draw_acceptance, expected_tokens, parse_profile
+from hf_eagle3.bench.oracle_drafting import (
+    FLOOR,
+    PROFILES,
+    draw_acceptance,
+    expected_tokens,
+    parse_profile,
+    profile_scores,
+    ranked_path,
+)
 from hf_eagle3.bench.synthetic import SYNTHETIC, synthetic_target
 from hf_eagle3.cli import main
+from hf_eagle3.core import tree_policy
 from hf_eagle3.core.cost_model import Eagle3Costs
+from hf_eagle3.core.tree_candidates import candidate_ranking, ranking_key, select_trees
 from hf_eagle3.loading import random_draft_for
 
 
@@ -40,6 +53,46 @@ def test_bound_is_the_cost_model():
     assert round_bound(costs, (1.0,) * 4, k=4) == pytest.approx(5.0)  # free drafting and verification
     costs = Eagle3Costs(target={1: 1.0, 2: 2.0}, draft_feed={1: 0.5}, draft_step=0.5)
     assert round_bound(costs, (0.5,), k=1) == pytest.approx(1.5 / 2.5)
+
+
+class _SameIds:
+    """Draft ids as target ids."""
+
+    @staticmethod
+    def map_tokens(ids):
+        return ids
+
+
+# Candidates of 2 levels of top_k 2 and a third: level 1 is 1, 2; level 2 the children 3, 4 of 1 and 5, 6 of 2; the
+# frontier kept 4 and 5, whose children are 7, 8 and 9, 10 (candidate 3, the first child of the first candidate, has
+# none).
+PARENTS = [0, 0, 1, 1, 2, 2, 4, 4, 5, 5]
+DEPTHS = [1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+
+
+@pytest.mark.parametrize("profile", [(0.9, 0.8), (1.0, 1.0, 1.0), (0.0,)])
+def test_profile_scores_carry_the_profile_along_a_full_depth_path(profile):
+    scores, main = profile_scores(PARENTS, DEPTHS, profile)
+    assert main == [1, 4, 7]  # the first deepest candidate's ancestry: every level
+    rates = [profile[d - 1] if d <= len(profile) else 0.0 for d in (1, 2, 3)]
+    assert [math.exp(scores[c - 1]) for c in main] == pytest.approx([max(r, FLOOR) for r in rates])
+    on_main = [scores[c - 1] for c in main]
+    assert all(b <= a for a, b in zip(on_main, on_main[1:]))  # non-increasing along the main path
+    off_main = [scores[i] for i in range(len(PARENTS)) if i + 1 not in main]
+    assert max(off_main) < min(on_main)
+    key = ranking_key(torch.tensor(scores), torch.tensor(DEPTHS)).tolist()
+    for i, parent in enumerate(PARENTS):
+        if parent:
+            assert key[i] < key[parent - 1] and scores[i] <= scores[parent - 1]  # children rank below parents
+    assert ranked_path(PARENTS, scores) == main
+    # The selected trees hold the main path as deep as their size allows; the ranking sees the profile.
+    candidates = (torch.tensor([scores]), torch.arange(10)[None], torch.tensor([PARENTS]), torch.tensor(DEPTHS), 3)
+    for total, depth in ((1, 1), (2, 2), (3, 3), (6, 3)):
+        tree = select_trees(candidates, torch.tensor([99]), total, _SameIds())[0]
+        path = ranked_path(tree.parents.tolist()[1:], tree.scores.tolist())
+        assert tree.tokens[path].tolist() == [c - 1 for c in main[:depth]] and int(tree.depths.max()) == depth
+    probs = candidate_ranking(candidates)[0].tolist()
+    assert probs[:3] == pytest.approx(sorted((max(r, FLOOR) for r in rates), reverse=True))
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +122,35 @@ def test_oracle_forces_acceptance_and_keeps_the_output(tiny, profile, per_round)
     assert "bound" in chain and "bound" not in rows["auto k<=3"]
     text = format_oracle_markdown(report)
     assert "cost-model bound" in text and "limited by" in text
+
+
+def test_oracle_trees_follow_the_profile_to_full_depth(monkeypatch):
+    """Trees of a fixed shape reach their full depth (a random draft's own scores kept them about 2 deep), tree
+    ``"auto"`` sizes its trees from the profile's probabilities (a random draft's made it draft one node), and the
+    output stays the target's."""
+    target = synthetic_target("tiny", seed=0)
+    draft = random_draft_for(target, draft_vocab_size=256)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, target.config.vocab_size, (1, n), generator=gen) for n in (12, 20)]
+    # A tree every round (whether trees pay on this machine is not what is tested), priced from known costs, and a
+    # target forward that costs more than a draft level (3 ms more whatever its width, as a large target's would).
+    monkeypatch.setattr(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *args: True)
+    known_costs(target, draft)
+    slow = target.register_forward_pre_hook(lambda module, args: time.sleep(0.003))
+    try:
+        report = run_oracle_bench(target, draft, prompts, (0.9, 0.8, 0.7, 0.6), ks=(), max_new_tokens=32,
+                                  auto=False, tree_shapes=((4, 5, 16), (4, 5, "auto")), progress=False)
+    finally:
+        slow.remove()
+    assert report["identical"]
+    rows = {r["strategy"]: r for r in report["rows"]}
+    fixed, auto = rows["tree 4x5x16"], rows["tree 4x5xauto"]
+    assert fixed["mean_tree_depth"] >= 4.0  # 5 but where the end of the output left less room
+    assert fixed["stats"]["mean_draft_length"] == pytest.approx(fixed["mean_tree_depth"])  # what the loop verified
+    assert fixed["tokens_per_round"] > 3.0  # the profile's 1 + 0.9 + 0.8 + 0.7 + 0.6 = 4.0 tokens a round
+    drafted = auto["stats"]["drafted_per_position"] + [0, 0, 0]  # per depth, the rounds whose tree reached it
+    assert drafted[2] > 0.75 * drafted[0]  # trees at least 3 deep in most rounds
+    assert auto["mean_tree_depth"] >= 3.5 and auto["tokens_per_round"] > 3.0
 
 
 def test_synthetic_shapes_are_published_ones():
