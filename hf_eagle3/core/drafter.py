@@ -229,8 +229,10 @@ class Eagle3Drafter:
                                 candidate_ranking(candidates) if ranking else None, fed_at)
         return self._captured_round(roots, depth, top_k, total, ranking)
 
+    @torch.no_grad()
     def _captured_round(self, roots, depth: int, top_k: int, total: int, ranking: bool) -> DraftedRound:
-        """:meth:`draft_round` as one compiled region (see :mod:`~hf_eagle3.core.draft_round`)."""
+        """:meth:`draft_round` as one compiled region (see :mod:`~hf_eagle3.core.draft_round`), without autograd
+        (its cache writes are in place)."""
         config = self.draft.config
         self.cache.take_buffers(config.num_key_value_heads, config.head_dim, self.dtype, self.device)
         k = min(top_k, config.draft_vocab_size)

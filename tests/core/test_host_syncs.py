@@ -9,12 +9,19 @@ round accepts nothing."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 from conftest import tiny_draft, tiny_target
 from host_syncs import HostSyncCounter
+from transformers import CompileConfig
 
+from hf_eagle3.core import drafter as drafter_module
 from hf_eagle3.core import transformers_compat as compat
+from hf_eagle3.core import tree_policy
+from hf_eagle3.core.draft_round import draft_round
 
 PATHS = {
     "chain k=5": dict(num_assistant_tokens=5, num_assistant_tokens_schedule="constant"),
@@ -22,6 +29,9 @@ PATHS = {
     "tree 4x4x8": dict(tree_top_k=4, tree_depth=4, tree_total_tokens=8),
     "tree auto": dict(tree_top_k=4, tree_depth=4, tree_total_tokens="auto"),
     "tree 4x4x8, static cache": dict(tree_top_k=4, tree_depth=4, tree_total_tokens=8, cache_implementation="static"),
+    # A round drafted as one captured region (static drafting steps), its function run eagerly under the counter.
+    "tree 4x4x8, captured round": dict(tree_top_k=4, tree_depth=4, tree_total_tokens=8),
+    "tree auto, captured round": dict(tree_top_k=4, tree_depth=4, tree_total_tokens="auto"),
 }
 
 # hf-eagle3's marginal host syncs per round: (path, batch size, sampled) -> ceiling. Chains at batch 1 run in
@@ -34,6 +44,8 @@ CEILINGS = {
 CEILINGS.update({("chain auto", 2, False): 1.0, ("chain auto", 2, True): 1.0, ("tree auto", 2, True): 1.0})
 CEILINGS.update({("tree auto", size, False): 1.0 for size in (1, 2, 4, 8)})
 CEILINGS.update({("tree auto", 1, True): 1.0})
+CEILINGS.update({(path, size, sample): 1.0 for path in ("tree 4x4x8, captured round", "tree auto, captured round")
+                 for size in (1, 4) for sample in (False, True)})
 if compat.ASSISTS_ON_STATIC_CACHE:
     CEILINGS.update({("tree 4x4x8, static cache", size, sample): 1.0 for size in (1, 4) for sample in (False, True)})
 
@@ -53,15 +65,40 @@ def batch(size: int, length: int = 12):
     return ids, mask
 
 
+@contextlib.contextmanager
+def captured_rounds(draft, on: bool):
+    """With ``on``: the draft's steps static (a compile config that asks for them), each round drafted by
+    :func:`~hf_eagle3.core.draft_round.draft_round`, run uncompiled so that the counter sees every operation; ``"auto"``
+    trees drafted every round (the random draft's would not pay)."""
+    if not on:
+        yield None
+        return
+    draft.generation_config.compile_config = CompileConfig(backend="eager", mode="reduce-overhead")
+    ran = []
+
+    def counted(*args, **kwargs):
+        ran.append(1)
+        return draft_round(*args, **kwargs)
+
+    try:
+        with mock.patch.object(type(draft), "step_call", lambda self, step: step), \
+                mock.patch.object(drafter_module, "draft_round", counted), \
+                mock.patch.object(tree_policy.TreeSizeChooser, "draft_this_round", lambda self, *args: True):
+            yield ran
+    finally:
+        draft.generation_config.compile_config = None
+
+
 def count(pair, path: str, size: int, sample: bool, new_tokens: int) -> HostSyncCounter:
     target, draft = pair
     ids, mask = batch(size)
     counter = HostSyncCounter(target, draft)
     torch.manual_seed(0)
-    with counter, torch.no_grad():
+    with captured_rounds(draft, "captured" in path) as ran, counter, torch.no_grad():
         counter.new_call()
         target.generate(ids, attention_mask=mask, assistant_model=draft, max_new_tokens=new_tokens,
                         do_sample=sample, **PATHS[path])
+    assert ran is None or ran or new_tokens < 16, "no round was drafted as a captured round"
     return counter
 
 
@@ -107,7 +144,7 @@ def test_the_counter_sees_a_sync_added_to_a_draft_step(pair, monkeypatch):
     assert per_round > CEILINGS[("tree 4x4x8", 1, False)] + 1
 
 
-@pytest.mark.parametrize("path,size", [("tree 4x4x8", 1), ("chain k=5", 4)])
+@pytest.mark.parametrize("path,size", [("tree 4x4x8", 1), ("chain k=5", 4), ("tree 4x4x8, captured round", 4)])
 def test_the_counter_sees_copies_to_the_device(pair, monkeypatch, path, size):
     """Negative control of the other direction: counted as pageable copies, the index tensors a round builds from
     host values (roots, accepted paths, the feed) would exceed the ceiling."""
