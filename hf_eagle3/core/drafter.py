@@ -255,6 +255,9 @@ class Eagle3Drafter:
             self._fed = self._fed + feed["counts"]
         else:
             feed = dict(hidden=self._hidden, logits=self._logits)
+        if max(self.fed) + depth * k >= self.cache.capacity:  # the last column is the trash column
+            raise RuntimeError(f"Static draft cache of {self.cache.capacity} columns cannot hold a round of {depth} "
+                               f"levels of {k} after {max(self.fed)} positions.")
         nodes = nodes_kept(total, candidates)
         self.buckets.add((self.rows, feed["tokens"].shape[1] if "tokens" in feed else 0, depth, k, nodes, ranking))
         planes, ranks = self.whole_round(self.draft, cache=self.cache, d2t=self.d2t, fed=fed, roots=roots,

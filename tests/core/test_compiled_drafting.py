@@ -179,18 +179,24 @@ def test_batched_compiled_steps_draft_what_eager_steps_draft(pair, proposals, pa
     assert compiled_drafts == eager_drafts
 
 
-@pytest.mark.parametrize("path", ["chain", "tree"])
+@pytest.mark.parametrize("path", ["chain", "tree", "batched tree"])
 def test_sampled_compiled_drafting_gives_the_eager_tokens(pair, path):
-    """Same seed, same tokens: the acceptance rule reads the compiled draft's probabilities, equal to the eager ones."""
+    """Same seed, same tokens: the acceptance rule reads the compiled draft's probabilities, equal to the eager ones
+    (static steps: a tree's rounds, one row or a batch, captured whole). The eager paths' distributions are tested in
+    ``test_sampling_distribution.py``."""
     target, draft = pair
-    ids = random_prompt(8, seed=6)
+    ids, extra = random_prompt(8, seed=6), {}
+    if path == "batched tree":
+        ids = torch.randint(4, 256, (3, 9), generator=torch.Generator().manual_seed(7))
+        extra = {"attention_mask": torch.ones_like(ids)}
+        extra["attention_mask"][2, :4] = 0
     outs = []
     for config in (None, CAPTURE, STATIC):
         draft.generation_config.compile_config = config
         torch.manual_seed(11)
         try:
             outs.append(target.generate(ids, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=24,
-                                        assistant_model=draft, **PATHS[path]))
+                                        assistant_model=draft, **extra, **PATHS[path.split()[-1]]))
         finally:
             draft.generation_config.compile_config = None
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
