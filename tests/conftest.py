@@ -177,6 +177,30 @@ def drafting_past_the_allowance(request, monkeypatch):
     yield
 
 
+def endless_pair():
+    """A tiny llama target that never stops early (no EOS) and a random draft of a 128-token vocabulary for it."""
+    target = tiny_target("llama")
+    target.generation_config.eos_token_id = None
+    return target, tiny_draft(target, 128)
+
+
+@pytest.fixture
+def drafters(monkeypatch):
+    """Every drafter of the package's loop built during the test, in order (a call's captured round buckets are
+    in its ``buckets``)."""
+    from hf_eagle3.core.drafter import Eagle3Drafter
+
+    made = []
+    original = Eagle3Drafter.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Eagle3Drafter, "__init__", init)
+    return made
+
+
 def random_prompt(length: int = 6, seed: int = 0) -> torch.LongTensor:
     """Random prompt ids ``[1, length]`` in ``[4, 256)`` (no special ids), fixed by ``seed``."""
     return torch.randint(4, 256, (1, length), generator=torch.Generator().manual_seed(seed))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompt, tiny_draft, tiny_target
+from conftest import endless_pair, random_prompt, tiny_draft
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
@@ -44,9 +44,7 @@ PATHS = {
 
 @pytest.fixture(scope="module")
 def pair():
-    target = tiny_target("llama")
-    target.generation_config.eos_token_id = None
-    return target, tiny_draft(target, 128)
+    return endless_pair()
 
 
 @pytest.fixture
@@ -73,21 +71,6 @@ def proposals(monkeypatch):
 
 
 @pytest.fixture
-def drafters(monkeypatch):
-    """The package loop's drafters that ran captured rounds, in order."""
-    made = []
-    original = drafter_module.Eagle3Drafter.__init__
-
-    def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        if self.whole_round is not None:
-            made.append(self)
-
-    monkeypatch.setattr(drafter_module.Eagle3Drafter, "__init__", init)
-    return made
-
-
-@pytest.fixture
 def scripted_auto(monkeypatch):
     """``"auto"`` decisions from a script instead of timings (which differ between an eager and a compiled run):
     draft lengths 3, 0, 4, 1, ... and tree sizes 5, 8, 2, ..., a tree every round, every level expanded."""
@@ -107,6 +90,13 @@ def scripted_auto(monkeypatch):
     # Every round observed, as in the eager run (a round that compiles a graph is otherwise left out of what the
     # budget learns, which changes which of the scripted choices it asks for).
     monkeypatch.setattr(decoding_loop, "compiled_graphs", lambda: 0)
+
+
+def captured_buckets(drafters) -> set:
+    """The buckets of the latest call's captured rounds (empty when no round was captured: chains at one row run in
+    Transformers' loop, with per-step graphs)."""
+    captured = [d for d in drafters if d.whole_round is not None]
+    return set(captured[-1].buckets) if captured else set()
 
 
 def run(target, draft, ids, config, proposals, **kwargs):
@@ -140,10 +130,10 @@ def test_compiled_steps_draft_what_eager_steps_draft(pair, proposals, scripted_a
     assert compiled_drafts == eager_drafts
     # A longer call reuses the graphs: nothing is compiled per length (static: the same capacity bucket; a captured
     # round, which a static tree runs, compiles only for the shape buckets the shorter call did not use).
-    used = set(drafters[-1].buckets) if drafters else set()
+    used = captured_buckets(drafters)
     longer, _, more = run(target, draft, ids, CONFIGS[kind], proposals, max_new_tokens=48, **PATHS[path])
     assert torch.equal(longer, target.generate(ids, do_sample=False, max_new_tokens=48))
-    assert more == len(drafters[-1].buckets - used) if drafters else more == 0
+    assert more == len(captured_buckets(drafters) - used)
 
 
 def test_compiled_steps_run(pair):
@@ -231,7 +221,7 @@ def test_static_steps_compile_once_and_keep_their_buffers(pair, drafters, path):
     try:
         counters.clear()
         first = target.generate(ids, do_sample=False, max_new_tokens=40, assistant_model=draft, **PATHS[path])
-        used = set(drafters[-1].buckets) if drafters else {"the chain step"}
+        used = captured_buckets(drafters) or {"the chain step"}
         assert counters["stats"]["unique_graphs"] == len(used)
         assert len(used) <= 2 + PATHS[path].get("tree_depth", 0)  # the prompt's feed; the depths with theirs
         assert len(draft.static_kv_buffers) == 1
@@ -239,7 +229,7 @@ def test_static_steps_compile_once_and_keep_their_buffers(pair, drafters, path):
         counters.clear()
         second = target.generate(random_prompt(12, seed=9), do_sample=False, max_new_tokens=30,
                                  assistant_model=draft, **PATHS[path])
-        assert counters["stats"]["unique_graphs"] == (len(drafters[-1].buckets - used) if drafters else 0)
+        assert counters["stats"]["unique_graphs"] == len(captured_buckets(drafters) - used)
         assert [t.data_ptr() for t in next(iter(draft.static_kv_buffers.values()))] == buffers
         assert len(draft.static_kv_buffers) == 1
     finally:
