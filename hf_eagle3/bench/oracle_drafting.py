@@ -1,7 +1,7 @@
 """Oracle drafting: the draft's forwards run as usual, but what it proposes is the target's own greedy continuation,
 accepted for a length drawn each round from an acceptance profile (the first token past it is made wrong). Chains
 (:class:`OracleCandidateGenerator`) and trees (:class:`OracleTreeDrafter`, whose candidates are scored by the profile:
-:func:`profile_scores`); the output stays the target's. Used by ``hf-eagle3 bench --oracle``
+:func:`profile_rescore`); the output stays the target's. Used by ``hf-eagle3 bench --oracle``
 (:mod:`hf_eagle3.bench.oracle`).
 """
 
@@ -25,7 +25,7 @@ PROFILES = {
     "none": (0.0,),
 }
 FLOOR = 1e-6  # path probability of a main-path node that the profile never accepts (past its end, or a zero rate)
-OFF_PATH = 1e-3  # path probability of a node off the main path relative to its parent's (see `profile_scores`)
+OFF_PATH = 1e-3  # path probability of a node off the main path relative to its parent's (see `profile_rescore`)
 
 
 def parse_profile(text: str) -> tuple[float, ...]:
@@ -73,46 +73,65 @@ def expected_tokens(profile, k: int) -> float:
     return 1.0 + sum(profile[:k])
 
 
-def profile_scores(parents: list, depths: list, profile) -> tuple[list, list]:
+def profile_path_logp(profile, levels: int) -> list:
     """
-    Scores for a round's tree candidates that carry ``profile``. The main path is the ancestry of the first candidate of
-    the deepest level (so it reaches every level); its node at depth ``d`` gets the path probability that the profile
-    accepts at least ``d`` tokens, ``profile[d - 1]`` (at least :data:`FLOOR`, never above its parent's). Every other
-    node gets :data:`OFF_PATH` times the smaller of its parent's path probability and the main path's last node's. So a
-    child never scores above its parent, every main-path node ranks above every other node (a tree of the ``total`` best
-    candidates holds the main path as deep as ``total`` and the levels allow), and the best path probabilities
-    (``candidate_ranking``, what ``tree_total_tokens="auto"`` sizes trees from) are the profile's.
+    The main path's scores of :func:`profile_rescore`, by depth: ``log(profile[d - 1])`` (at least :data:`FLOOR`),
+    never above the depth before.
 
     Args:
-        parents (`list[int]`): [M] each candidate's parent (candidate numbers 1..M in level order, 0 = the root).
-        depths (`list[int]`): [M] each candidate's depth (>= 1).
         profile (`tuple[float]`): per-position acceptance.
-
-    Returns:
-        ``(scores, main)``: the candidates' cumulative log-probabilities (`list[float]` [M]), and the main path's
-        candidate numbers from depth 1 down (`list[int]`).
+        levels (`int`): depths 1..levels.
     """
-    main, node = [], 1 + max(range(len(depths)), key=lambda i: (depths[i], -i))
-    while node:
-        main.append(node)
-        node = parents[node - 1]
-    main.reverse()
-    scores, score = [0.0] * len(depths), 0.0
-    for depth, node in enumerate(main, start=1):
+    out, score = [], 0.0
+    for depth in range(1, levels + 1):
         rate = profile[depth - 1] if depth <= len(profile) else 0.0
         score = min(score, math.log(max(rate, FLOOR)))
-        scores[node - 1] = score
-    on_main, off = set(main), math.log(OFF_PATH)
-    for i, parent in enumerate(parents):  # level order: a parent is scored before its children
-        if i + 1 not in on_main:
-            scores[i] = min(scores[parent - 1] if parent else 0.0, score) + off
-    return scores, main
+        out.append(score)
+    return out
+
+
+def profile_rescore(candidates, path_logp: torch.Tensor):
+    """
+    Scores for a round's tree candidates that carry the profile, for every row, in tensors only (it also runs inside
+    a captured drafting round; see :func:`~hf_eagle3.core.draft_round.draft_round`). The main path is the ancestry
+    of the first candidate of the deepest level (so it reaches every level); its node at depth ``d`` gets the path
+    probability that the profile accepts at least ``d`` tokens (``path_logp``: :func:`profile_path_logp`). Every
+    other node gets :data:`OFF_PATH` times the smaller of its parent's path probability and the main path's last
+    node's. So a child never scores above its parent, every main-path node ranks above every other node (a tree of
+    the ``total`` best candidates holds the main path as deep as ``total`` and the levels allow), and the best path
+    probabilities (``candidate_ranking``, what ``tree_total_tokens="auto"`` sizes trees from) are the profile's.
+
+    Args:
+        candidates: what :func:`~hf_eagle3.core.tree_candidates.grow_candidates` returned (``scores`` [B, M]).
+        path_logp (`torch.Tensor` [levels]): :func:`profile_path_logp` of the round's levels.
+
+    Returns:
+        The candidates with their scores replaced.
+    """
+    scores, ids, parents, depths, levels = candidates
+    rows, m = scores.shape
+    k = m if levels == 1 else round((-1 + (1 + 4 * (levels - 1) * m) ** 0.5) / (2 * (levels - 1)))
+    starts = [0] + [k + i * k * k for i in range(levels)]
+    main = torch.zeros(rows, m + 1, dtype=torch.bool, device=scores.device)
+    node = torch.full((rows, 1), starts[levels - 1] + 1, dtype=torch.long, device=scores.device)  # deepest, first
+    for _ in range(levels):
+        main.scatter_(1, node, True)
+        node = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=scores.device), parents], 1).gather(1, node)
+    main = main[:, 1:]
+    on_path = path_logp.to(scores.dtype)[depths - 1].expand(rows, m)
+    last, off = path_logp[levels - 1].to(scores.dtype), math.log(OFF_PATH)
+    new = torch.zeros_like(scores)
+    for i in range(levels):  # level by level: a parent is scored before its children
+        level = slice(starts[i], starts[i + 1])
+        parent = torch.zeros_like(new[:, level]) if i == 0 else new.gather(1, parents[:, level] - 1)
+        new[:, level] = torch.where(main[:, level], on_path[:, level], torch.clamp(parent, max=last) + off)
+    return new, ids, parents, depths, levels
 
 
 def ranked_path(parents: list, scores: list) -> list:
     """
     The path that ranks first: from the root, at each node its best-scored child (the main path of
-    :func:`profile_scores`, among candidates or in a tree selected from them).
+    :func:`profile_rescore`, among candidates or in a tree selected from them).
 
     Args:
         parents (`list[int]`): [M] each node's parent (node numbers 1..M, parents first, 0 = the root).
@@ -174,7 +193,7 @@ class OracleCandidateGenerator(Eagle3CandidateGenerator):
 class OracleTreeDrafter(Eagle3Drafter):
     """
     :class:`~hf_eagle3.core.drafter.Eagle3Drafter` whose candidates are scored by ``profile`` along a main path
-    (:func:`profile_scores`), so trees follow it as deep as their size allows and ``tree_total_tokens="auto"`` sizes
+    (:func:`profile_rescore`), so trees follow it as deep as their size allows and ``tree_total_tokens="auto"`` sizes
     them from the profile's probabilities, and whose trees carry the target's greedy continuation along that path,
     right for a depth drawn each round from ``profile``; every other node is wrong. So a tree accepts what a chain
     as deep as its main path accepts with the same profile, at the tree's own cost (its drafting and its verification
@@ -192,7 +211,9 @@ class OracleTreeDrafter(Eagle3Drafter):
         if rows != 1:
             raise ValueError(f"The oracle drafts one sequence (its reference); got a batch of {rows}.")
         super().__init__(draft, rows, capacity)
-        self.whole_round = None  # the oracle rewrites each round's trees on the host: it drafts step by step
+        # A captured round (static drafting steps) rescores its candidates inside the region.
+        self.rescore = (profile_rescore, lambda levels: torch.tensor(profile_path_logp(self.profile, levels),
+                                                                     device=self.device))
         self.draft_seconds = 0.0
         self.tree_depths = []  # depth of each round's tree (its main path's)
 
@@ -208,21 +229,30 @@ class OracleTreeDrafter(Eagle3Drafter):
         return self._timed(super().feed)
 
     def expand(self, depth, top_k):
-        """Expand as usual, then replace the candidates' scores by the profile's (:func:`profile_scores`; timed)."""
+        """Expand as usual, then replace the candidates' scores by the profile's (:func:`profile_rescore`; timed)."""
         return self._timed(self._oracle_expand, depth, top_k)
 
     def select(self, candidates, roots, total):
         """Select as usual, then write the oracle's tokens into the tree (timed)."""
         return self._timed(self._oracle_select, candidates, roots, total)
 
+    def _captured_round(self, roots, depth, top_k, total, ranking):
+        """A captured round as usual (its candidates rescored inside), then the oracle's tokens (timed)."""
+        return self._timed(self._oracle_captured, roots, depth, top_k, total, ranking)
+
+    def _oracle_captured(self, roots, depth, top_k, total, ranking):
+        drafted = super()._captured_round(roots, depth, top_k, total, ranking)
+        return dataclasses.replace(drafted, trees=[self._oracle_tokens(drafted.trees[0])])
+
     def _oracle_expand(self, depth, top_k):
-        scores, ids, parents, depths, levels = super().expand(depth, top_k)
-        rescored, _ = profile_scores(parents[0].tolist(), depths.tolist(), self.profile)
-        scores = torch.tensor([rescored], dtype=scores.dtype, device=scores.device)
-        return scores, ids, parents, depths, levels
+        candidates = super().expand(depth, top_k)
+        return self.rescore[0](candidates, self.rescore[1](candidates[4]))
 
     def _oracle_select(self, candidates, roots, total):
-        tree = super().select(candidates, roots, total)[0]
+        return [self._oracle_tokens(super().select(candidates, roots, total)[0])]
+
+    def _oracle_tokens(self, tree):
+        """``tree`` carrying the reference along its main path, right for a depth drawn from the profile."""
         parents, depths = tree.parents.tolist(), tree.depths.tolist()
         tokens = tree.tokens.tolist()
         main = set(ranked_path(parents[1:], tree.scores.tolist()))  # the main path that `_oracle_expand` scored
@@ -237,7 +267,7 @@ class OracleTreeDrafter(Eagle3Drafter):
             else:
                 tokens[i] = (right + 1 + i) % vocab
         tokens = torch.tensor(tokens, dtype=tree.tokens.dtype, device=tree.tokens.device)
-        return [dataclasses.replace(tree, tokens=tokens)]
+        return dataclasses.replace(tree, tokens=tokens)
 
 
 def bind_oracle(oracle_class: type, reference: list, profile, seed: int = 0) -> type:

@@ -54,7 +54,8 @@ def nodes_kept(total: int, candidates: int) -> int:
 
 
 def draft_round(draft, cache, d2t, fed: torch.LongTensor, roots: torch.LongTensor, *, depth: int, top_k: int,
-                nodes: int, ranking: bool, features=None, tokens=None, counts=None, hidden=None, logits=None):
+                nodes: int, ranking: bool, features=None, tokens=None, counts=None, hidden=None, logits=None,
+                rescore=None, rescore_with=None):
     """
     One drafting round for every row: the feed (when given), ``depth`` levels of candidates, the ``nodes`` best.
 
@@ -74,6 +75,9 @@ def draft_round(draft, cache, d2t, fed: torch.LongTensor, roots: torch.LongTenso
         hidden (`torch.Tensor` [B, 1, H], *optional*): without a feed, the draft's output at each row's last
             position (from a feed run before).
         logits (`torch.Tensor` [B, draft_vocab], *optional*): its scores there.
+        rescore (`Callable`, *optional*): ``rescore(candidates, rescore_with) -> candidates``, tensors only, applied
+            before the selection (a benchmark's oracle gives the candidates scores of its own).
+        rescore_with (*optional*): its argument.
 
     Returns:
         ``(planes, ranking)``: :func:`~hf_eagle3.core.tree_candidates.select_nodes`' planes, and the candidates'
@@ -111,5 +115,7 @@ def draft_round(draft, cache, d2t, fed: torch.LongTensor, roots: torch.LongTenso
                      position_ids=(fed - 1 + level)[:, None].expand(rows, k), cache=cache)
 
     candidates = grow_candidates(logits, hidden, depth, top_k, step)
+    if rescore is not None:
+        candidates = rescore(candidates, rescore_with)
     planes = select_nodes(candidates, roots, nodes, d2t)
     return planes, candidate_ranking(candidates) if ranking else None

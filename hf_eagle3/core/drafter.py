@@ -80,6 +80,8 @@ class Eagle3Drafter:
                                     static_buffers=draft.static_kv_buffers if static else None)
         self.whole_round = draft.step_call(draft_round) if static else None  # each round one compiled region
         self.buckets = set()  # the captured rounds' shapes this call used (rows, feed width, depth, top-k, nodes, ranking)
+        # A captured round's rescoring of its candidates: (rescore, argument(depth)) (see draft_round), or None.
+        self.rescore = None
         self.d2t = Eagle3D2TLogitsProcessor(draft.d2t, draft.config.vocab_size)
         self.fed = [0] * rows  # positions of each row in the draft cache (host ints: known from the accepted counts)
         self._fed = torch.zeros(rows, dtype=torch.long, device=self.device)  # the same, on the device
@@ -260,6 +262,8 @@ class Eagle3Drafter:
                                f"levels of {k} after {max(self.fed)} positions.")
         nodes = nodes_kept(total, candidates)
         self.buckets.add((self.rows, feed["tokens"].shape[1] if "tokens" in feed else 0, depth, k, nodes, ranking))
+        if self.rescore is not None:
+            feed.update(rescore=self.rescore[0], rescore_with=self.rescore[1](depth))
         planes, ranks = self.whole_round(self.draft, cache=self.cache, d2t=self.d2t, fed=fed, roots=roots,
                                          depth=depth, top_k=k, nodes=nodes, ranking=ranking, **feed)
         self._hidden = self._logits = None  # the next round feeds first

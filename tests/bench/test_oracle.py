@@ -11,15 +11,18 @@ import time
 import pytest
 import torch
 from conftest import known_costs
+from transformers import CompileConfig
 
 from hf_eagle3.bench.oracle import format_oracle_markdown, round_bound, run_oracle_bench
 from hf_eagle3.bench.oracle_drafting import (
     FLOOR,
+    OFF_PATH,
     PROFILES,
     draw_acceptance,
     expected_tokens,
     parse_profile,
-    profile_scores,
+    profile_path_logp,
+    profile_rescore,
     ranked_path,
 )
 from hf_eagle3.bench.synthetic import SYNTHETIC, synthetic_target
@@ -63,6 +66,43 @@ class _SameIds:
         return ids
 
 
+def profile_scores(parents: list, depths: list, profile) -> tuple[list, list]:
+    """
+    The reference for :func:`profile_rescore`, written plainly for one row: scores for a round's tree candidates that
+    carry ``profile``. The main path is the ancestry of the first candidate of
+    the deepest level (so it reaches every level); its node at depth ``d`` gets the path probability that the profile
+    accepts at least ``d`` tokens, ``profile[d - 1]`` (at least :data:`FLOOR`, never above its parent's). Every other
+    node gets :data:`OFF_PATH` times the smaller of its parent's path probability and the main path's last node's. So a
+    child never scores above its parent, every main-path node ranks above every other node (a tree of the ``total`` best
+    candidates holds the main path as deep as ``total`` and the levels allow), and the best path probabilities
+    (``candidate_ranking``, what ``tree_total_tokens="auto"`` sizes trees from) are the profile's.
+
+    Args:
+        parents (`list[int]`): [M] each candidate's parent (candidate numbers 1..M in level order, 0 = the root).
+        depths (`list[int]`): [M] each candidate's depth (>= 1).
+        profile (`tuple[float]`): per-position acceptance.
+
+    Returns:
+        ``(scores, main)``: the candidates' cumulative log-probabilities (`list[float]` [M]), and the main path's
+        candidate numbers from depth 1 down (`list[int]`).
+    """
+    main, node = [], 1 + max(range(len(depths)), key=lambda i: (depths[i], -i))
+    while node:
+        main.append(node)
+        node = parents[node - 1]
+    main.reverse()
+    scores, score = [0.0] * len(depths), 0.0
+    for depth, node in enumerate(main, start=1):
+        rate = profile[depth - 1] if depth <= len(profile) else 0.0
+        score = min(score, math.log(max(rate, FLOOR)))
+        scores[node - 1] = score
+    on_main, off = set(main), math.log(OFF_PATH)
+    for i, parent in enumerate(parents):  # level order: a parent is scored before its children
+        if i + 1 not in on_main:
+            scores[i] = min(scores[parent - 1] if parent else 0.0, score) + off
+    return scores, main
+
+
 # Candidates of 2 levels of top_k 2 and a third: level 1 is 1, 2; level 2 the children 3, 4 of 1 and 5, 6 of 2; the
 # frontier kept 4 and 5, whose children are 7, 8 and 9, 10 (candidate 3, the first child of the first candidate, has
 # none).
@@ -95,6 +135,24 @@ def test_profile_scores_carry_the_profile_along_a_full_depth_path(profile):
     assert probs[:3] == pytest.approx(sorted((max(r, FLOOR) for r in rates), reverse=True))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_profile_rescore_is_the_reference_for_every_row(seed):
+    """The tensor version (what the oracle runs, also inside a captured round) scores each row of random candidates
+    as the plain reference does."""
+    g = torch.Generator().manual_seed(seed)
+    k, levels, rows = 3, 4, 2
+    first = [1] + [1 + k + i * k * k for i in range(levels)]
+    parents = torch.cat([torch.zeros(rows, k, dtype=torch.long)]
+                        + [torch.randint(first[i], first[i + 1], (rows, k * k), generator=g) for i in range(levels - 1)],
+                        dim=1)
+    depths = torch.cat([torch.full((k,), 1)] + [torch.full((k * k,), i + 2) for i in range(levels - 1)])
+    profile = (0.9, 0.6, 0.0)  # a zero rate, and fewer rates than levels: the floor
+    scores = torch.rand(rows, parents.shape[1], generator=g).log()
+    new = profile_rescore((scores, None, parents, depths, levels), torch.tensor(profile_path_logp(profile, levels)))[0]
+    for b in range(rows):
+        assert new[b].tolist() == pytest.approx(profile_scores(parents[b].tolist(), depths.tolist(), profile)[0])
+
+
 @pytest.fixture(scope="module")
 def tiny():
     target = synthetic_target("tiny", seed=0)
@@ -124,12 +182,17 @@ def test_oracle_forces_acceptance_and_keeps_the_output(tiny, profile, per_round)
     assert "cost-model bound" in text and "limited by" in text
 
 
-def test_oracle_trees_follow_the_profile_to_full_depth(monkeypatch):
+@pytest.mark.parametrize("drafting", ["steps", "captured"])
+def test_oracle_trees_follow_the_profile_to_full_depth(monkeypatch, drafters, drafting):
     """Trees of a fixed shape reach their full depth (a random draft's own scores kept them about 2 deep), tree
     ``"auto"`` sizes its trees from the profile's probabilities (a random draft's made it draft one node), and the
-    output stays the target's."""
+    output stays the target's; drafting step by step, or each round captured whole (static drafting steps, the
+    candidates rescored inside the region)."""
     target = synthetic_target("tiny", seed=0)
     draft = random_draft_for(target, draft_vocab_size=256)
+    if drafting == "captured":
+        draft.generation_config.compile_config = CompileConfig(backend="aot_eager", mode="reduce-overhead",
+                                                               fullgraph=True)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, target.config.vocab_size, (1, n), generator=gen) for n in (12, 20)]
     # A tree every round (whether trees pay on this machine is not what is tested), priced from known costs, and a
@@ -143,6 +206,7 @@ def test_oracle_trees_follow_the_profile_to_full_depth(monkeypatch):
     finally:
         slow.remove()
     assert report["identical"]
+    assert any(d.buckets for d in drafters) == (drafting == "captured")
     rows = {r["strategy"]: r for r in report["rows"]}
     fixed, auto = rows["tree 4x5x16"], rows["tree 4x5xauto"]
     assert fixed["mean_tree_depth"] >= 4.0  # 5 but where the end of the output left less room
