@@ -10,7 +10,8 @@ Stages, in order of importance (each is skipped, and says so, when the budget le
    continuation survives bfloat16 rounding, see :func:`hf_eagle3.bench.synthetic.synthetic_target`) with a draft of the published draft's
    shape (draft vocabulary 32k), the oracle's speed-ups for chains k = 1..7, ``"auto"`` and three trees.
 3. ``static_bf16``: the oracle stage on a static cache with the target's forward compiled (CUDA graphs), against plain
-   ``generate`` compiled the same way (Transformers' own fast path): chains k = 3 and 5, ``"auto"``, two trees.
+   ``generate`` compiled the same way (Transformers' own fast path): chains k = 3 and 5, ``"auto"``, two trees; then
+   the two trees again with each drafting round captured whole (the draft's ``compile_config``).
 4. ``batched_bf16``: the same target in bfloat16 on batches of 1, 2, 4 and 8 rows with a random draft (nothing is
    accepted): the decoding loop's cost per round against plain batched ``generate``.
 5. ``compiled_bf16``: the oracle stage's target and draft, chains k = 3 and 5 and a tree, with the draft's steps eager,
@@ -194,13 +195,24 @@ def static_bf16(args):
     prompts = random_prompts(vocab, [256] * (1 if args.small else args.oracle_prompts))
     config = CompileConfig(mode="reduce-overhead" if args.device.startswith("cuda") else "default")
     config._compile_all_devices = True  # a CPU (the small run): Transformers compiles only on accelerators otherwise
+    common = dict(max_new_tokens=16 if args.small else args.oracle_new_tokens,
+                  generate_kwargs=dict(cache_implementation="static", compile_config=config))
     with torch.no_grad():
         report = run_oracle_bench(target, draft, prompts, parse_profile("llama3-8b"), ks=(3, 5),
-                                  max_new_tokens=16 if args.small else args.oracle_new_tokens,
-                                  tree_shapes=((4, 4, 8), (4, 5, "auto")),
-                                  generate_kwargs=dict(cache_implementation="static", compile_config=config))
-    check.identical &= report["identical"]
-    return report, "Plain `generate` below: static cache, compiled forward.\n\n" + format_oracle_markdown(report)
+                                  tree_shapes=((4, 4, 8), (4, 5, "auto")), **common)
+        # The trees again with each drafting round captured whole (CUDA graphs on CUDA; static steps on a CPU).
+        draft.generation_config.compile_config = config if args.device.startswith("cuda") else CompileConfig(
+            dynamic=False)
+        try:
+            captured = run_oracle_bench(target, draft, prompts, parse_profile("llama3-8b"), ks=(), auto=False,
+                                        tree_shapes=((4, 4, 8), (4, 5, "auto")), **common)
+        finally:
+            draft.generation_config.compile_config = None
+    check.identical &= report["identical"] and captured["identical"]
+    return {"draft eager": report, "draft captured": captured}, (
+        "Plain `generate` below: static cache, compiled forward.\n\n### Draft eager\n\n"
+        + format_oracle_markdown(report) + "\n\n### Each drafting round captured whole\n\n"
+        + format_oracle_markdown(captured))
 
 
 def compiled_bf16(args):
