@@ -18,8 +18,9 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$WORK"
 lscpu | grep -E "Model name" ; grep -o -w -E "avx2|avx512f|avx512_bf16|amx_bf16" /proc/cpuinfo | sort -u | tr '\n' ' '; echo
 
-# The data: records, three-layer features, the draft vocabulary (skipped when present).
-[ -f "$WORK/data/vocab.pt" ] || python "$HERE/compare_speculators/make_data.py" --out "$WORK/data" --records 1152 \
+# The data: records, three-layer features, the draft vocabulary (skipped once complete: the comparison's other
+# layout is written last; a stopped run resumes at its first missing feature shard).
+[ -f "$WORK/data/speculators/dataset_info.json" ] || python "$HERE/compare_speculators/make_data.py" --out "$WORK/data" --records 1152 \
     --per-shard 128 | tee "$WORK/make_data.log"
 
 options() {  # the train options of a row
