@@ -17,6 +17,7 @@ import torch
 from hf_eagle3.core.drafter import Eagle3Drafter
 from hf_eagle3.core.candidate_generator import Eagle3CandidateGenerator
 from hf_eagle3.core.cost_model import synchronize
+from hf_eagle3.core.tree_candidates import level_starts
 
 PROFILES = {
     # Per-position acceptance of Llama-3.1-8B-Instruct with the EAGLE-3 authors' draft (chain, MT-bench; seed PR).
@@ -110,8 +111,7 @@ def profile_rescore(candidates, path_logp: torch.Tensor):
     """
     scores, ids, parents, depths, levels = candidates
     rows, m = scores.shape
-    k = m if levels == 1 else round((-1 + (1 + 4 * (levels - 1) * m) ** 0.5) / (2 * (levels - 1)))
-    starts = [0] + [k + i * k * k for i in range(levels)]
+    starts = level_starts(m, levels)
     main = torch.zeros(rows, m + 1, dtype=torch.bool, device=scores.device)
     node = torch.full((rows, 1), starts[levels - 1] + 1, dtype=torch.long, device=scores.device)  # deepest, first
     for _ in range(levels):

@@ -6,9 +6,9 @@ single sequence; chains are trees with one child per node.
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
+
+import torch
 
 from .draft_cache import Eagle3RowCache, static_capacity
 from .draft_round import draft_round, feed_width, nodes_kept
@@ -239,6 +239,10 @@ class Eagle3Drafter:
         self.cache.take_buffers(config.num_key_value_heads, config.head_dim, self.dtype, self.device)
         k = min(top_k, config.draft_vocab_size)
         candidates = k + (depth - 1) * k * k
+        longest = max(f + self.num_pending(b) for b, f in enumerate(self.fed))
+        if longest + depth * k >= self.cache.capacity:  # the last column is the trash column; refused before any work
+            raise RuntimeError(f"Static draft cache of {self.cache.capacity} columns cannot hold a round of {depth} "
+                               f"levels of {k} after {longest} positions.")
         feed = {}
         if self._pending:
             features, tokens, counts = self._merged()
@@ -257,9 +261,6 @@ class Eagle3Drafter:
             self._fed = self._fed + feed["counts"]
         else:
             feed = dict(hidden=self._hidden, logits=self._logits)
-        if max(self.fed) + depth * k >= self.cache.capacity:  # the last column is the trash column
-            raise RuntimeError(f"Static draft cache of {self.cache.capacity} columns cannot hold a round of {depth} "
-                               f"levels of {k} after {max(self.fed)} positions.")
         nodes = nodes_kept(total, candidates)
         self.buckets.add((self.rows, feed["tokens"].shape[1] if "tokens" in feed else 0, depth, k, nodes, ranking))
         if self.rescore is not None:

@@ -182,6 +182,22 @@ def ranking_key(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
     return scores.double().clamp(min=-1e6) - 1e-9 * depths.double()
 
 
+def level_starts(m: int, levels: int) -> list:
+    """
+    Where each level's candidates start among :func:`grow_candidates`' ``m`` (level 1 holds ``k`` of them and each
+    further level ``k * k``, so ``k`` follows from ``m = k + (levels - 1) * k^2``), and the end.
+
+    Args:
+        m (`int`): the candidates.
+        levels (`int`): their levels.
+
+    Returns:
+        `list[int]`: ``levels + 1`` offsets, from 0 to ``m``.
+    """
+    k = m if levels == 1 else round((-1 + (1 + 4 * (levels - 1) * m) ** 0.5) / (2 * (levels - 1)))
+    return [0] + [k + i * k * k for i in range(levels)]
+
+
 def candidate_ranking(candidates) -> torch.Tensor:
     """
     What sizes the next round's tree (``tree_total_tokens="auto"``), from this round's candidates: their path
@@ -201,9 +217,8 @@ def candidate_ranking(candidates) -> torch.Tensor:
     m = depths.shape[-1]
     key = ranking_key(scores, depths).reshape(-1, m)
     probs = key.exp()
-    # Level 1 holds k candidates and each further level k * k: k from m = k + (levels - 1) * k^2.
-    k = m if levels == 1 else round((-1 + (1 + 4 * (levels - 1) * m) ** 0.5) / (2 * (levels - 1)))
-    starts = [0] + [k + i * k * k for i in range(levels)]
+    starts = level_starts(m, levels)
+    k = starts[1]
     masses = [probs[:, starts[i] : starts[i + 1]].topk(k, dim=-1).values.sum(-1).mean() for i in range(levels)]
     frontier = torch.zeros(m, dtype=torch.float64, device=probs.device)
     frontier[:levels] = torch.stack(masses)
