@@ -1,7 +1,8 @@
 """Worker of the multi-process training tests in ``training/test_parallel.py`` (run under torchrun, 2 processes).
 
 Usage: ``torchrun --nproc_per_node 2 ddp_train_worker.py FEATURES_DIR OUT_DIR MAX_MINUTES SELECT_BY MODE`` (0 minutes:
-step/epoch limits; SELECT_BY: ``holdout`` or ``last``; MODE: ``ddp`` or ``fsdp``). Records a fingerprint of every
+step/epoch limits; SELECT_BY: ``holdout``, ``last`` or ``holdout-stop``, the held-out selection with an early stop
+that ends the run at its first checkpoint after the start; MODE: ``ddp`` or ``fsdp``). Records a fingerprint of every
 batch this process trains on and saves it with the final weights as ``OUT_DIR/rank{RANK}.pt``.
 """
 
@@ -53,7 +54,9 @@ def main() -> None:
     trainer.collate = collate
     # different initial weights on every process: DDP and FSDP must start every process from rank 0's
     draft = make_draft(feats, int(os.environ["RANK"]))
-    final = trainer.train(draft, feats, out, config(minutes, select_by, fsdp=mode == "fsdp"), log=lambda s: None)
+    stop = dict(stop_gain=10.0, stop_window=1e-6) if select_by == "holdout-stop" else {}
+    cfg = config(minutes, select_by.removesuffix("-stop"), fsdp=mode == "fsdp", **stop)
+    final = trainer.train(draft, feats, out, cfg, log=lambda s: None)
     torch.save({"seen": seen, "state": final.state_dict()}, out / f"rank{os.environ['RANK']}.pt")
     trainer.end_distributed()
 

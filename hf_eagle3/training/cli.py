@@ -188,12 +188,21 @@ def _check_train_options(args) -> str:
     if args.feature_layers is not None and args.init_draft:
         raise SystemExit(f"--feature-layers {args.feature_layers} sets the layers of a new draft; --init-draft "
                          "continues a draft that reads its own: drop one of them.")
-    select_by = args.select_by or ("holdout" if args.holdout_shards else "last")
+    select_by = args.select_by or ("holdout" if args.holdout_shards or args.holdout_features else "last")
     if args.accumulate < 1:
         raise SystemExit(f"--accumulate {args.accumulate}: give the batches per optimiser step, >= 1.")
-    if select_by == "holdout" and args.holdout_shards < 1:
-        raise SystemExit("--select-by holdout scores checkpoints on held-out shards: give --holdout-shards >= 1, or "
-                         "--select-by last.")
+    if select_by == "holdout" and args.holdout_shards < 1 and not args.holdout_features:
+        raise SystemExit("--select-by holdout scores checkpoints on held-out shards: give --holdout-shards >= 1 or "
+                         "--holdout-features DIR, or --select-by last.")
+    if args.holdout_features and not (Path(args.holdout_features) / "target_head.pt").exists():
+        raise SystemExit(f"--holdout-features {args.holdout_features} holds no features (no target_head.pt): point it "
+                         "at a directory `hf-eagle3 prepare --features-dir` wrote.")
+    if (args.stop_gain > 0) != (args.stop_window > 0) or args.stop_gain < 0 or args.stop_window < 0:
+        raise SystemExit(f"--stop-gain {args.stop_gain:g} --stop-window {args.stop_window:g}: early stopping needs "
+                         "both > 0 (e.g. --stop-gain 0.03 --stop-window 120), or neither.")
+    if args.stop_gain and select_by != "holdout":
+        raise SystemExit("--stop-gain compares held-out scores, which --select-by last does not compute: drop "
+                         "--select-by last, and give --holdout-shards >= 1 or --holdout-features DIR.")
     return select_by
 
 
@@ -282,19 +291,25 @@ def _train_config(args, select_by: str):
         loss=args.loss, lk_weight=1.0 if args.lk_weight is None else args.lk_weight, freeze_head=args.freeze_head,
         mixed_precision=args.mixed_precision, save_every=args.save_every, max_steps=args.max_steps,
         max_minutes=args.max_minutes, holdout_shards=args.holdout_shards, seed=args.seed,
+        holdout_features=args.holdout_features, stop_gain=args.stop_gain, stop_window=args.stop_window,
         select_by=select_by, accumulate=args.accumulate, fsdp=args.fsdp,
     )
 
 
 def _save_trained(args, draft, out: Path, features_dir: Path, num_records: int, minutes: float) -> None:
-    """Score the trained draft on the held-out shards, save it with its training summary, and export it as asked."""
+    """Score the trained draft on the held-out set (``--holdout-features``, else the held-out shards), save it with
+    its training summary, and export it as asked."""
     metrics = {}
-    if args.holdout_shards:
+    if args.holdout_shards or args.holdout_features:
         from .trainer import evaluate
 
         print("scoring the draft on the held-out shards ...", file=sys.stderr, flush=True)
-        metrics = evaluate(draft, features_dir, ttt_length=args.ttt_length, holdout_shards=args.holdout_shards,
-                           max_prompt_context=args.max_prompt_context)
+        if args.holdout_features:
+            metrics = evaluate(draft, args.holdout_features, shards="all", ttt_length=args.ttt_length,
+                               max_prompt_context=args.max_prompt_context)
+        else:
+            metrics = evaluate(draft, features_dir, ttt_length=args.ttt_length, holdout_shards=args.holdout_shards,
+                               max_prompt_context=args.max_prompt_context)
     save_dir = Path(args.save_dir or out / "draft")
     dtype = parse_dtype(args.save_dtype)
     draft.to(dtype).save_pretrained(save_dir)

@@ -190,6 +190,16 @@ def add_train_parser(subparsers):
                    "limit; --epochs still ends training first if it comes first)")
     t.add_argument("--holdout-shards", type=int, default=1,
                    help="first feature shards kept out of training to measure accuracy (default 1)")
+    t.add_argument("--holdout-features", default=None,
+                   help="a features directory of the same target (hf-eagle3 prepare --features-dir) whose every shard "
+                   "is the held-out set checkpoints are scored on, instead of the first --holdout-shards: with "
+                   "--init-draft, answers to prompts that draft never trained on (default: none)")
+    t.add_argument("--stop-gain", type=float, default=0.0,
+                   help="early stopping, with --stop-window: end training at the first checkpoint where the last "
+                   "--stop-window minutes added less than this held-out acceptance length (the weights at the start "
+                   "are scored too); the best checkpoint is saved (default 0: none)")
+    t.add_argument("--stop-window", type=float, default=0.0,
+                   help="minutes of training --stop-gain looks back over (default 0: none)")
     t.add_argument("--accumulate", type=int, default=1,
                    help="batches per process per optimiser step (gradient accumulation; default 1): N processes "
                    "take N x this many batches a step, so one GPU with --accumulate 8 follows an 8-GPU run's curve")
@@ -200,7 +210,7 @@ def add_train_parser(subparsers):
     t.add_argument("--select-by", default=None, choices=["holdout", "last"],
                    help="which weights are saved: holdout = the checkpoint (every --save-every steps and at the end) "
                    "with the highest replayed greedy chain acceptance (k=5) on the held-out shards, last = the last "
-                   "weights (default: holdout when --holdout-shards >= 1, else last)")
+                   "weights (default: holdout when --holdout-shards >= 1 or --holdout-features is given, else last)")
     t.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the saved draft (default bfloat16)")
     t.add_argument("--export-flat", action="store_true",

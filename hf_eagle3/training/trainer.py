@@ -61,8 +61,17 @@ class TrainConfig:
         fsdp: with several processes, shard the draft's weights, gradients and optimiser state over them (FSDP)
             instead of replicating them (DDP); see :mod:`~hf_eagle3.training.parallel`.
         holdout_shards: shards kept out of training for evaluation (the first ones).
+        holdout_features: a features directory (of the same target and layers) whose every shard is the held-out set
+            that checkpoints are scored on, instead of the first ``holdout_shards`` of the training features: for a
+            draft that continues from trained weights, answers to prompts it never trained on (its own training
+            data's shards are not held out from it). ``holdout_shards`` still leaves those training shards out.
         select_by: which weights :func:`train` returns: ``"holdout"`` (the checkpoint whose replayed greedy chain
-            acceptance on the held-out shards is highest, scored at every checkpoint; the default) or ``"last"``.
+            acceptance on the held-out set is highest, scored at every checkpoint; the default) or ``"last"``.
+        stop_gain, stop_window: early stopping (both > 0, or both 0 for none; needs ``select_by="holdout"``): the run
+            ends at the first checkpoint whose best held-out score so far exceeds the best score of the checkpoints
+            at least ``stop_window`` training minutes older by less than ``stop_gain`` (acceptance length). The
+            weights at the start are scored too (step 0), so the first comparison is against them. Drafts over-train:
+            held-out acceptance peaks and falls while the training loss still falls.
         select_chain_length: draft tokens per round of that replayed chain.
         max_steps: stop after this many steps (0 = no limit).
         max_minutes: stop (with a checkpoint) after this many minutes of training (0 = no limit).
@@ -90,7 +99,10 @@ class TrainConfig:
     accumulate: int = 1
     fsdp: bool = False
     holdout_shards: int = 1
+    holdout_features: str | None = None
     select_by: str = "holdout"
+    stop_gain: float = 0.0
+    stop_window: float = 0.0
     select_chain_length: int = 5
     max_steps: int = 0
     max_minutes: float = 0.0
@@ -251,6 +263,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     _check_config(cfg)
     head = check_draft_matches_features(draft, features_dir)  # before anything is written
     data = FeatureShards(features_dir, cfg.batch_tokens, cfg.max_prompt_context, cfg.holdout_shards, cfg.seed)
+    heldout = held_out_set(draft, data, head, cfg)
     if not data.shards:
         raise ValueError(f"all {len(data.holdout)} feature shard(s) in {features_dir} are held out (holdout_shards="
                          f"{cfg.holdout_shards}): nothing is left to train on. Lower --holdout-shards or write more "
@@ -258,7 +271,7 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    run = _TrainingRun(draft, data, out, cfg, head, log)
+    run = _TrainingRun(draft, data, out, cfg, head, log, heldout)
     run.resume()
     run.start()
     run.train_epochs()
@@ -266,15 +279,44 @@ def train(draft: Eagle3DraftModel, features_dir, out_dir, cfg: TrainConfig | Non
     return run.final_draft()
 
 
+def held_out_set(draft: Eagle3DraftModel, data: FeatureShards, head: dict, cfg: TrainConfig) -> tuple:
+    """The set checkpoints are scored on: ``(shards' reader, shard paths)``, from ``cfg.holdout_features`` (checked
+    against the draft and against the training features' target) or else the training features' held-out shards.
+
+    Args:
+        draft: the draft to train.
+        data: the training features.
+        head: the training features' ``target_head.pt``.
+        cfg: the settings.
+    """
+    if not cfg.holdout_features:
+        return data, data.holdout
+    other = check_draft_matches_features(draft, cfg.holdout_features)
+    if other["config"] != head["config"] or not torch.equal(other["embed_tokens"], head["embed_tokens"]):
+        raise ValueError(f"{cfg.holdout_features} holds features of another target than {data.root} (its config or "
+                         "embedding differs): write the held-out features with the training features' target.")
+    heldout = FeatureShards(cfg.holdout_features, cfg.batch_tokens, cfg.max_prompt_context)
+    return heldout, heldout.shards
+
+
 def _check_config(cfg: TrainConfig) -> None:
     """Refuse settings :func:`train` cannot honour."""
     if cfg.select_by not in ("holdout", "last"):
         raise ValueError(f"select_by={cfg.select_by!r}: use 'holdout' (the best checkpoint on the held-out shards) "
                          "or 'last'.")
-    if cfg.select_by == "holdout" and (cfg.holdout_shards < 1 or cfg.select_chain_length < 1):
+    if cfg.select_by == "holdout" and ((cfg.holdout_shards < 1 and not cfg.holdout_features)
+                                       or cfg.select_chain_length < 1):
         raise ValueError(f"select_by='holdout' scores checkpoints on held-out shards with a replayed chain: it needs "
-                         f"holdout_shards >= 1 (now {cfg.holdout_shards}) and select_chain_length >= 1 (now "
-                         f"{cfg.select_chain_length}); or pass select_by='last' (--select-by last).")
+                         f"holdout_shards >= 1 (now {cfg.holdout_shards}) or holdout_features, and "
+                         f"select_chain_length >= 1 (now {cfg.select_chain_length}); or pass select_by='last' "
+                         "(--select-by last).")
+    if (cfg.stop_gain > 0) != (cfg.stop_window > 0) or cfg.stop_gain < 0 or cfg.stop_window < 0:
+        raise ValueError(f"stop_gain={cfg.stop_gain:g}, stop_window={cfg.stop_window:g}: early stopping needs both > 0 "
+                         "(--stop-gain 0.03 --stop-window 120: stop when 120 minutes of training add less than 0.03 "
+                         "held-out acceptance length), or both 0 for none.")
+    if cfg.stop_gain and cfg.select_by != "holdout":
+        raise ValueError("stop_gain / stop_window compare held-out scores, which select_by='last' does not compute: "
+                         "pass select_by='holdout' (--select-by holdout) with held-out shards or holdout_features.")
     if cfg.loss not in LOSS_KINDS:
         raise ValueError(f"loss={cfg.loss!r}: use one of {', '.join(LOSS_KINDS)} (ce = soft cross-entropy, the "
                          "reference; lk = the acceptance term 1 - sum min(p, q); mixed = ce + lk_weight x lk).")
@@ -296,12 +338,14 @@ class _TrainingRun:
         cfg: the settings.
         head: the target's head (``target_head.pt``: its embedding and ``lm_head``).
         log: where progress lines go.
+        heldout: the held-out set, ``(shards' reader, shard paths)`` (:func:`held_out_set`).
     """
 
-    def __init__(self, draft: Eagle3DraftModel, data: FeatureShards, out: Path, cfg: TrainConfig, head: dict, log):
+    def __init__(self, draft: Eagle3DraftModel, data: FeatureShards, out: Path, cfg: TrainConfig, head: dict, log,
+                 heldout: tuple):
         from accelerate import Accelerator
 
-        self.draft, self.data, self.out, self.cfg, self.log = draft, data, out, cfg, log
+        self.draft, self.data, self.out, self.cfg, self.log, self.heldout = draft, data, out, cfg, log, heldout
         mixed_precision, precision_line = resolve_dtype(
             cfg.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu", label="mixed precision", bf16="bf16",
             fallback="no")
@@ -334,6 +378,7 @@ class _TrainingRun:
                                                        lambda s: _lr_factor(s, self.progress(s), cfg))
         self.step, self.start_epoch, self.skip = 0, 0, 0
         self.finished = None  # (why, the option that continues) when the checkpoint is a run's end
+        self.stalled = None  # why early stopping ends the run, once it does
         self.ckpt = out / "checkpoint.pt"
         self.ended = None
         self.logf = None
@@ -393,7 +438,11 @@ class _TrainingRun:
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.start_epoch, self.skip = state["step"], state["epoch"], state["batches_done"]
         self.clock["offset"] = self.clock["now"] = state.get("elapsed", 0.0)
-        self.finished = _finished(self.step, self.start_epoch, self.clock["now"], self.cfg)
+        stopped = None
+        if self.cfg.stop_gain:  # early stopping's verdict on the scores logged up to the checkpoint
+            history = [(m, score) for step, m, score in _logged_scores(self.out / "log.jsonl") if step <= self.step]
+            stopped = stall_reason(history, self.clock["now"] / 60, self.cfg.stop_gain, self.cfg.stop_window)
+        self.finished = _finished(self.step, self.start_epoch, self.clock["now"], self.cfg, stopped)
         before = state.get("objective", {"loss": "ce", "lk_weight": None})  # checkpoints older than --loss: ce
         if self.main and not self.finished and before != self._objective():
             # like --lr or --target-temperature, the loss may change on a resume (e.g. ce, then lk from its weights);
@@ -416,7 +465,7 @@ class _TrainingRun:
             _drop_logged_steps_after(self.out / "log.jsonl", self.step)  # the steps after the checkpoint run again
         self.t0 = self.clock["start"] = time.time()
         self.tokens_seen = 0
-        self.selection = (_Selection(self.out, self.data, self.cfg, self.draft, self.embed)
+        self.selection = (_Selection(self.out, self.heldout, self.cfg, self.draft, self.embed)
                           if self.cfg.select_by == "holdout" and self.main else None)
 
     def _write_log(self, record: dict) -> None:
@@ -425,8 +474,8 @@ class _TrainingRun:
         self.logf.flush()
 
     def save(self, epoch: int, batches_done: int) -> None:
-        """Checkpoint (the main process writes; every process takes part in the collectives), and score it for the
-        selection."""
+        """Checkpoint (the main process writes; every process takes part in the collectives), then score it for the
+        selection and early stopping."""
         model_state, optimizer_state = self.parallel.model_state(), self.parallel.optimizer_state()  # FSDP collectives
         if self.main:  # one writer; every process holds the same weights
             tmp = self.out / "checkpoint.tmp"
@@ -445,11 +494,25 @@ class _TrainingRun:
                 tmp,
             )
             tmp.replace(self.ckpt)
-            if self.selection is not None:
-                score = self.selection.score(model_state, self.step)
-                if score is not None:
-                    self._write_log({"step": self.step, "holdout_acceptance_length": round(score, 4)})
+            self._score(model_state)
+        if self.cfg.stop_gain and self.world > 1:  # every process ends at the same step
+            from accelerate.utils import broadcast_object_list
+
+            self.stalled = broadcast_object_list([self.stalled])[0]
         self.accelerator.wait_for_everyone()
+
+    def _score(self, weights: dict) -> None:
+        """The main process's held-out score of ``weights`` at this step (logged with the training minutes), and
+        the early-stopping verdict."""
+        if self.selection is None:
+            return
+        minutes = self.clock["now"] / 60
+        score = self.selection.score(weights, self.step, minutes)
+        if score is not None:
+            self._write_log({"step": self.step, "holdout_acceptance_length": round(score, 4),
+                             "training_minutes": round(minutes, 3)})
+        if self.cfg.stop_gain and self.stalled is None:
+            self.stalled = stall_reason(self.selection.history, minutes, self.cfg.stop_gain, self.cfg.stop_window)
 
     def rounds(self, epoch: int):
         """This process's batches of each optimiser step: a round of ``world * accumulate`` consecutive batches
@@ -466,6 +529,10 @@ class _TrainingRun:
         """The training loop: an optimiser step per round, a log line every ``log_every`` steps, a checkpoint every
         ``save_every`` steps, at each epoch's end and where training ends."""
         with open(self.out / "log.jsonl", "a") if self.main else contextlib.nullcontext() as self.logf:
+            if self.cfg.stop_gain and self.step == 0 and not self.finished:  # the start, early stopping's first mark
+                weights = self.parallel.model_state()  # a collective under FSDP
+                if self.main:
+                    self._score(weights)
             for epoch in range(self.start_epoch, self.cfg.epochs if not self.finished else self.start_epoch):
                 for batches_done, micro in self.rounds(epoch):
                     if epoch == self.start_epoch and batches_done <= self.skip:
@@ -483,6 +550,9 @@ class _TrainingRun:
                     break
                 self.skip = 0
                 self.save(epoch + 1, 0)
+                if self.stalled:
+                    self.ended = self.stalled
+                    break
 
     def optimiser_step(self, micro: list) -> tuple[torch.Tensor, list]:
         """One optimiser step over this process's batches ``micro`` (gradients accumulated): the mean loss and, per
@@ -536,8 +606,10 @@ class _TrainingRun:
                      f"lr {rec['lr']:.2e} {rec['minutes']:.1f} min")
 
     def _end_reason(self, epoch: int) -> str | None:
-        """Why training ends after this step (``--max-steps``, ``--max-minutes``), else ``None``."""
+        """Why training ends after this step (early stopping, ``--max-steps``, ``--max-minutes``), else ``None``."""
         cfg = self.cfg
+        if self.stalled:
+            return self.stalled
         if cfg.max_steps and self.step >= cfg.max_steps:
             return f"max steps reached (--max-steps {cfg.max_steps}, in epoch {epoch + 1} of {cfg.epochs})"
         if cfg.max_minutes and self.clock["now"] > cfg.max_minutes * 60:
@@ -562,10 +634,12 @@ class _TrainingRun:
         weights = self.parallel.model_state()  # the last weights, on every process (a collective under FSDP)
         log_path = self.out / "log.jsonl"
         if self.finished and self.selection is not None and self.step not in _scored_steps(log_path):
-            score = self.selection.score(weights, self.step)  # a kill between the last checkpoint and its score
+            minutes = self.clock["now"] / 60  # a kill between the last checkpoint and its score
+            score = self.selection.score(weights, self.step, minutes)
             if score is not None:
                 with open(log_path, "a") as logf:
-                    logf.write(json.dumps({"step": self.step, "holdout_acceptance_length": round(score, 4)}) + "\n")
+                    logf.write(json.dumps({"step": self.step, "holdout_acceptance_length": round(score, 4),
+                                           "training_minutes": round(minutes, 3)}) + "\n")
         weights, replaced = self._selected_weights(weights)
         draft, parallel = self.draft, self.parallel
         final = type(draft)(draft.config) if parallel.sharded else parallel.draft  # a plain module, not a sharded one
@@ -609,10 +683,14 @@ def _loss_line(objective) -> str:
     return f"{kind} (soft cross-entropy)"
 
 
-def _finished(step: int, epoch: int, seconds: float, cfg: TrainConfig) -> tuple[str, str] | None:
-    """Whether a checkpoint at ``step``, ``epoch`` and ``seconds`` of training is the end of a run with ``cfg``:
-    ``(why, the options that train further)``, else ``None``."""
+def _finished(step: int, epoch: int, seconds: float, cfg: TrainConfig, stopped: str | None = None
+              ) -> tuple[str, str] | None:
+    """Whether a checkpoint at ``step``, ``epoch`` and ``seconds`` of training (ended by early stopping when
+    ``stopped`` says why) is the end of a run with ``cfg``: ``(why, the options that train further)``, else
+    ``None``."""
     ends = []
+    if stopped and cfg.stop_gain:
+        ends.append((stopped, "--stop-window (or pass --stop-gain 0)"))
     if epoch >= cfg.epochs:
         ends.append((f"epochs done (--epochs {cfg.epochs})", "--epochs"))
     if cfg.max_steps and step >= cfg.max_steps:
@@ -635,6 +713,42 @@ def _scored_steps(path: Path) -> set[int]:
         if isinstance(record, dict) and "holdout_acceptance_length" in record:
             steps.add(record.get("step"))
     return steps
+
+
+def _logged_scores(path: Path) -> list[tuple[int, float, float]]:
+    """``(step, training minutes, held-out score)`` of every scored checkpoint ``path`` (``log.jsonl``) records with
+    its minutes."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "holdout_acceptance_length" in record and "training_minutes" in record:
+            out.append((record["step"], float(record["training_minutes"]), float(record["holdout_acceptance_length"])))
+    return out
+
+
+def stall_reason(history: list[tuple[float, float]], now: float, gain: float, window: float) -> str | None:
+    """Early stopping's verdict at ``now`` training minutes: why the run ends, or ``None`` while it goes on.
+
+    It ends when the best held-out score so far exceeds the best score of the checkpoints at least ``window``
+    minutes older by less than ``gain``; while no checkpoint is that old it goes on.
+
+    Args:
+        history: ``(training minutes, held-out score)`` of every checkpoint scored up to ``now``.
+        now: training minutes at the latest checkpoint.
+        gain: the least held-out acceptance length a window must add (``--stop-gain``).
+        window: minutes of training looked back over (``--stop-window``).
+    """
+    older = [score for minutes, score in history if minutes <= now - window]
+    if not older:
+        return None
+    best, before = max(score for _, score in history), max(older)
+    if best - before >= gain:
+        return None
+    return (f"early stop: the last {window:g} minutes of training added {best - before:+.3f} held-out acceptance "
+            f"length (best {best:.3f}), less than --stop-gain {gain:g}")
 
 
 def _drop_logged_steps_after(path: Path, step: int) -> None:
@@ -663,30 +777,38 @@ class _Selection:
     :mod:`~hf_eagle3.training.replay`), and the best one's weights are kept in ``out/best.pt`` (which survives a
     resume). Only the main process keeps one.
 
+    Early stopping (:func:`stall_reason`) reads the scores with the training minutes they were reached at
+    (``history``, this run's and, after a resume, those ``log.jsonl`` holds).
+
     Args:
         out: the run directory.
-        data: the run's :class:`~hf_eagle3.training.features.FeatureShards` (its held-out shards are scored).
+        heldout: the held-out set, ``(shards' reader, shard paths)`` (:func:`held_out_set`).
         cfg: the run's settings (``select_chain_length``, ``batch_tokens``).
+        draft: the draft being trained (its config builds the scorer).
+        embed: the target's embedding, on the scorer's device.
     """
 
-    def __init__(self, out: Path, data: FeatureShards, cfg: TrainConfig, draft: Eagle3DraftModel, embed):
+    def __init__(self, out: Path, heldout: tuple, cfg: TrainConfig, draft: Eagle3DraftModel, embed):
         self.path = out / "best.pt"
-        self.data = data
+        self.reader, self.shards = heldout
         self.scorer = type(draft)(draft.config).to(embed.weight.device).eval()  # plain weights, whatever the layout
         self.scorer._target_embedding = (embed,)
         self.k, self.batch_tokens = cfg.select_chain_length, cfg.batch_tokens
         self.best = torch.load(self.path, weights_only=False) if self.path.exists() else None
         self.scored = {}  # step -> score, this run
+        # (training minutes, score) of every scored checkpoint, this run's and those logged before a resume
+        self.history = [(minutes, score) for _, minutes, score in _logged_scores(out / "log.jsonl")]
 
-    def score(self, weights: dict, step: int) -> float | None:
-        """Score the draft's ``weights`` (a full state dict, at ``step``) and keep them if they are the best so
-        far; ``None`` if this step was scored already."""
+    def score(self, weights: dict, step: int, minutes: float = 0.0) -> float | None:
+        """Score the draft's ``weights`` (a full state dict, at ``step``, after ``minutes`` of training) and keep
+        them if they are the best so far; ``None`` if this step was scored already."""
         if step in self.scored or (self.best is not None and self.best["step"] == step):
             return None
         self.scorer.load_state_dict(weights)
-        items = self.data.records(self.data.holdout)  # read when scored: held-out features can be large
+        items = self.reader.records(self.shards)  # read when scored: held-out features can be large
         score = replay_chain_acceptance(self.scorer, items, self.k, self.batch_tokens).mean_acceptance_length
         self.scored[step] = score
+        self.history.append((minutes, score))
         if self.best is None or score > self.best["score"]:
             self.best = {"step": step, "score": score,
                          "model": {k: v.detach().cpu().clone() for k, v in weights.items()}}

@@ -129,3 +129,24 @@ def test_data_parallel_training_on_two_processes(tmp_path, max_minutes):
         assert scored and scored[-1] == len(r0["seen"])  # every checkpoint scored, the last one included
     if not max_minutes:  # 2 epochs, an incomplete last round left out
         assert len(r0["seen"]) == 2 * (data.num_batches() // 2)
+
+
+def test_early_stopping_on_two_processes_ends_both_at_the_same_step(tmp_path):
+    """The main process alone scores checkpoints; its early-stopping verdict reaches the other process, so both end
+    at the first checkpoint after the start (the first epoch's end, step 2: a window of a moment that must add 10 tokens
+    of acceptance), with the same weights, and neither waits for the other in a collective."""
+    import json
+
+    target = tiny_target("llama")
+    feats = tmp_path / "features"
+    cache_features(target, tiny_records(target, n=20, new=16), feats, [2, 3, 3], per_shard=4, dtype=torch.float32,
+                   progress=False)
+    out = tmp_path / "run"
+    _torchrun_training(feats, out, 0, "holdout-stop", "ddp")
+    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert len(r0["seen"]) == len(r1["seen"]) == 2  # one batch a process a step; 2 epochs hold 4 steps
+    for k, v in r0["state"].items():
+        assert torch.equal(v, r1["state"][k]), k
+    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "holdout_acceptance_length" in r] == [0, 2]
+    assert max(r["step"] for r in logged if "loss" in r) == 2
