@@ -31,14 +31,8 @@ lscpu | grep -E "Model name" ; grep -o -w -E "avx2|avx512f|avx512_bf16|amx_bf16"
 [ -f "$WORK/data/speculators/dataset_info.json" ] || python "$HERE/compare_speculators/make_data.py" --out "$WORK/data" --records 1152 \
     --per-shard 128 | tee "$WORK/make_data.log"
 
-# The split the shipped draft never saw: only when a shipped row is asked for (prepare resumes; the features are
-# written last).
-if [[ " ${ROWS[*]} " == *" shipped"* ]] && [ ! -f "$WORK/unseen/features/target_head.pt" ]; then
-    python "$HERE/unseen_prompts.py" --shared "$SHARED" --out "$WORK/unseen/prompts.jsonl" --count 128
-    hf-eagle3 prepare --prompts "$WORK/unseen/prompts.jsonl" --out "$WORK/unseen/responses" --max-new-tokens 256 \
-        --features-dir "$WORK/unseen/features.part" > "$WORK/unseen/prepare.log" 2>&1
-    mv "$WORK/unseen/features.part" "$WORK/unseen/features"
-fi
+# The split the shipped draft never saw (dev/unseen_split.sh): only when a shipped row is asked for.
+[[ " ${ROWS[*]} " != *" shipped"* ]] || "$HERE/unseen_split.sh" "$WORK/unseen" "$SHARED"
 
 options() {  # the train options of a row
     case $1 in
