@@ -9,9 +9,9 @@
 # (--loss mixed), layers5 (--feature-layers 5, features captured at five layers into their own directory),
 # freeze-head (--freeze-head).
 # From the shipped draft (--init-draft examples/drafts/smollm2-135m-eagle3, its vocabulary and layers), scored on 128
-# prompts that draft never trained on (dev/unseen_prompts.py; the target answers them greedily here, once): shipped
-# (the shipped draft itself, not trained), shipped-ce, shipped-lk, shipped-mixed, shipped-lr3 (--lr 3e-4). The shipped draft trained on the
-# training set's records too, so shard 0 is not held out from it.
+# prompts that draft never trained on (dev/unseen_split.sh): shipped (the shipped draft itself, not trained),
+# shipped-ce, shipped-lk, shipped-mixed, shipped-lr3 (--lr 3e-4). The shipped draft trained on the training set's
+# records too, so shard 0 is not held out from it.
 # SEEDS (default "0 1") are the seeds, in order; SHARED (default: the repository's ../shared/data) holds chat_prompts.jsonl and train_prompts.jsonl.
 set -euo pipefail
 WORK=$1; shift
