@@ -14,6 +14,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(dirname "$HERE")
 SHARED=${SHARED:-$REPO/../shared/data}
 LOSS=${LOSS:-ce}
+LR=${LR:?set LR, the peak learning rate (docs/experiments/recipe_ablation.md, rows from the shipped draft)}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$WORK"
 lscpu | grep -E "Model name" ; grep -o -w -E "avx2|avx512f|avx512_bf16|amx_bf16" /proc/cpuinfo | sort -u | tr '\n' ' '; echo
@@ -22,7 +23,6 @@ lscpu | grep -E "Model name" ; grep -o -w -E "avx2|avx512f|avx512_bf16|amx_bf16"
 
 # The feature pass over the shipped data (resumed at its first missing shard), then training (resumed at its last
 # checkpoint); the run says why it ended and which checkpoint it saved.
-LR=${LR:?set LR, the peak learning rate (docs/experiments/recipe_ablation.md, rows from the shipped draft)}
 hf-eagle3 train --data "$REPO/examples/data/smollm2-135m-instruct-responses" --out "$WORK/train" \
     --init-draft "$REPO/examples/drafts/smollm2-135m-eagle3" --per-shard 512 \
     --holdout-shards 0 --holdout-features "$WORK/unseen/features" --epochs 1000 --max-minutes 960 \
