@@ -186,3 +186,33 @@ def test_train_cli_refuses_early_stopping_it_cannot_honour_before_any_work(tmp_p
     with pytest.raises(SystemExit, match=message):
         main(["train", "--data", str(tmp_path / "no-data"), "--out", str(tmp_path / "out"), *options])
     assert not (tmp_path / "out").exists()
+
+
+def test_train_cli_continues_a_draft_scored_on_holdout_features(data, tmp_path):
+    """`hf-eagle3 train --init-draft D --holdout-shards 0 --holdout-features DIR --stop-gain G --stop-window M`: every
+    training shard is trained on, the start and each checkpoint are scored on DIR, and the summary's held-out figures
+    are the saved draft's on DIR (what `evaluate` there gives)."""
+    import hf_eagle3
+    from hf_eagle3.training.cli import main
+
+    root = data[0]
+    start = new_draft(data)
+    start.save_pretrained(tmp_path / "start")
+    (tmp_path / "responses").mkdir()
+    (tmp_path / "responses" / "responses-00000.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in tiny_records(tiny_target("llama"), n=2, new=4)))  # read, not trained on
+    out = tmp_path / "out"
+    main(["train", "--data", str(tmp_path / "responses"), "--out", str(out), "--skip-features", "--features-dir",
+          str(root / "train"), "--init-draft", str(tmp_path / "start"), "--holdout-shards", "0", "--holdout-features",
+          str(root / "unseen"), "--stop-gain", "0.001", "--stop-window", "1000", "--max-steps", "4", "--save-every",
+          "2", "--batch-tokens", "128", "--mixed-precision", "no", "--save-dtype", "float32"])
+    scores = logged_scores(out / "run")
+    assert sorted(scores) == [0, 2, 4]  # the start, then every checkpoint
+    summary = json.loads((out / "draft" / "training_summary.json").read_text())
+    saved = hf_eagle3.Eagle3DraftModel.from_pretrained(out / "draft")
+    on_unseen = evaluate(saved, root / "unseen", shards="all", ttt_length=7, chain_length=5)
+    assert summary["holdout"]["chain"]["mean_acceptance_length"] == pytest.approx(
+        on_unseen["chain"]["mean_acceptance_length"], abs=1e-6)
+    assert summary["holdout"]["chain"]["num_drafts"] == on_unseen["chain"]["num_drafts"]
+    on_train = evaluate(saved, root / "train", shards="all", ttt_length=7, chain_length=5)
+    assert on_train["chain"]["num_drafts"] != on_unseen["chain"]["num_drafts"]  # not the training features' figures
