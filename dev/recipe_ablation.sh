@@ -10,7 +10,7 @@
 # freeze-head (--freeze-head).
 # From the shipped draft (--init-draft examples/drafts/smollm2-135m-eagle3, its vocabulary and layers), scored on 128
 # prompts that draft never trained on (dev/unseen_split.sh): shipped (the shipped draft itself, not trained),
-# shipped-ce, shipped-lk, shipped-mixed, shipped-lr3 (--lr 3e-4). The shipped draft trained on the training set's
+# shipped-ce, shipped-lk, shipped-mixed, shipped-lr3 (--lr 3e-4), shipped-lr1 (--lr 1e-4). The shipped draft trained on the training set's
 # records too, so shard 0 is not held out from it.
 # SEEDS (default "0 1") are the seeds, in order; SHARED (default: the repository's ../shared/data) holds chat_prompts.jsonl and train_prompts.jsonl.
 set -euo pipefail
@@ -20,7 +20,7 @@ REPO=$(dirname "$HERE")
 SHARED=${SHARED:-$REPO/../shared/data}
 SHIPPED=$REPO/examples/drafts/smollm2-135m-eagle3
 ROWS=("$@")
-[ ${#ROWS[@]} -gt 0 ] || ROWS=(ce lk mixed layers5 freeze-head shipped shipped-ce shipped-lk shipped-mixed shipped-lr3)
+[ ${#ROWS[@]} -gt 0 ] || ROWS=(ce lk mixed layers5 freeze-head shipped shipped-ce shipped-lk shipped-mixed shipped-lr3 shipped-lr1)
 read -r -a SEEDS <<< "${SEEDS:-0 1}"  # SEEDS="1" runs only that seed
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$WORK"
@@ -40,6 +40,7 @@ options() {  # the train options of a row
         lk|shipped-lk) echo "--loss lk" ;;
         mixed|shipped-mixed) echo "--loss mixed" ;;
         shipped-lr3) echo "--lr 3e-4" ;;
+        shipped-lr1) echo "--lr 1e-4" ;;
         layers5) echo "--feature-layers 5" ;;
         freeze-head) echo "--freeze-head" ;;
         *) echo "unknown row $1" >&2; exit 2 ;;
